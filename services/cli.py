@@ -1,0 +1,123 @@
+"""`pagedserve` command line: one subcommand per job, each a thin shell over a core.
+
+Every expected failure (bad folder, bad flag, too-long prompt) prints one line on stderr and
+exits non-zero; tracebacks are for bugs only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class CLIError(Exception):
+    """An expected failure to report in one line."""
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-device-blocks", type=int, default=None)
+    p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host memory for swapped blocks")
+    p.add_argument("--preemption-mode", default="recompute")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def _engine_config(args):
+    from services.engine_config import EngineConfig
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                        num_device_blocks=args.num_device_blocks, swap_space_gib=args.swap_space,
+                        preemption_mode=args.preemption_mode,
+                        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens).validate()
+
+
+def cmd_tiny_model(args) -> int:
+    from services.tiny_model import build_tiny_model
+    out = build_tiny_model(args.dir, arch=args.arch, seed=args.seed)
+    print(f"wrote a tiny {args.arch} model to {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from services.engine import Engine
+    from services.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0).validate()
+    with Engine(_engine_config(args)) as engine:
+        outputs = engine.generate(args.prompt, params)
+        stats = engine.stats()
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in outputs], "stats": stats}, indent=2))
+    else:
+        for prompt, out in zip(args.prompt, outputs):
+            print(f"--- {prompt!r}\n{out.text}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """What `make serve` runs until the services exist: build the tiny model, generate, show stats."""
+    from pathlib import Path
+    from services.engine import Engine
+    from services.engine_config import EngineConfig
+    from services.sampling_params import SamplingParams
+    from services.tiny_model import build_tiny_model
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        print(f"building a tiny llama model in {model_dir} ...", file=sys.stderr)
+        build_tiny_model(model_dir, arch="llama")
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Scheduler:", "# A paged KV cache"]
+    with Engine(EngineConfig(model=str(model_dir)).validate()) as engine:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
+        for prompt, out in zip(prompts, outputs):
+            print(f"--- prompt {prompt!r}\n{out.text!r}")
+        print(json.dumps(engine.stats(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on PagedAttention")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight model and a locally trained tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "opt"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("generate", help="offline generation with the paged engine")
+    _add_engine_flags(p)
+    p.add_argument("--prompt", action="append", required=True)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print ids, text and engine stats as JSON")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="offline engine demo on a tiny model (built on first use)")
+    p.add_argument("--model-dir", default=".cache/tiny-llama")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from services.engine_config import ConfigError
+    from services.tiny_model import TinyModelError
+    from services.worker.model_loader import ModelLoadError
+    from services.sampling_params import SamplingParamsError
+    from services.engine import PromptTooLongError
+    expected = (CLIError, ConfigError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
+    try:
+        return args.func(args)
+    except expected as e:
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The engine's one validated configuration object (offline engine, scheduler and kvstore share it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREEMPTION_MODES = ("swap", "recompute", "auto")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A setting is out of range; the message names the flag."""
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"                 # CPU runs float32 (bf16/fp16 matmuls are ~100x slower there)
+    block_size: int = 16
+    num_device_blocks: int | None = None   # None: size from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 0.25
+    swap_space_gib: float = 0.25           # host pool for swapped-out blocks
+    num_host_blocks: int | None = None     # None: size from swap_space_gib
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None       # None: the model's own
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> "EngineConfig":
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {bs}")
+        if bs > 256:
+            raise ConfigError(f"--block-size must be at most 256, got {bs}")
+        if self.num_device_blocks is not None and self.num_device_blocks < 1:
+            raise ConfigError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise ConfigError(f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory_gib}")
+        if self.swap_space_gib < 0:
+            raise ConfigError(f"--swap-space must be >= 0, got {self.swap_space_gib}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                              f"got {self.preemption_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        return self
+
+    def blocks_for(self, memory_gib: float, block_bytes: int) -> int:
+        return int(memory_gib * (1 << 30)) // block_bytes

@@ -1,0 +1,119 @@
+"""Read a local Hugging Face model folder (config.json + safetensors) into a paged model.
+
+Everything that can be wrong with a folder is reported as ModelLoadError with one clear line,
+before any weight is read.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.models import MODEL_REGISTRY
+
+
+class ModelLoadError(Exception):
+    """The folder cannot be served: missing files, unsupported architecture, bad weights."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the rest of the system needs to know about a model, without its weights."""
+    path: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one KV block: K and V for every layer and KV head (see docs/INTERFACES.md)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _eos_ids(path: Path, cfg) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [getattr(cfg, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+def inspect_model_dir(model_dir: str | Path):
+    """Validate the folder and return (hf_config, ModelSpec) without touching the weights."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {path} has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"model folder {path} has no *.safetensors weights")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") or []
+    supported = [a for a in archs if a in MODEL_REGISTRY]
+    if not supported:
+        raise ModelLoadError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                             f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+    from transformers import AutoConfig
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    max_len = cfg.max_position_embeddings
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        max_len = min(max_len, window)  # no sliding-window attention here: stay inside the window
+    spec = ModelSpec(
+        path=str(path), architecture=supported[0], num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
+        vocab_size=cfg.vocab_size, max_model_len=max_len, eos_token_ids=_eos_ids(path, cfg))
+    return cfg, spec
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Build the paged model for the folder and load its safetensors weights -> (model, spec)."""
+    from safetensors import safe_open
+
+    cfg, spec = inspect_model_dir(model_dir)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = MODEL_REGISTRY[spec.architecture](cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name not in params:
+                    continue  # e.g. rotary inv_freq buffers some checkpoints carry
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+    # Tied parameters appear under one name in named_parameters(); the checkpoint may hold either.
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise ModelLoadError(f"weights missing from {model_dir}: {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
+    return model.eval(), spec

@@ -1,0 +1,85 @@
+"""The worker's compute core: turns one scheduled step into tensors, runs the model, returns logits.
+
+Owns the model weights and the worker's views of the device KV pool; never allocates blocks (the
+kvstore does) and reads nothing but the step it is given. No I/O: the worker process wraps it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.attn_metadata import AttentionMetadata
+from services.worker.model_loader import ModelSpec
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step."""
+    seq_id: int
+    token_ids: list[int]       # tokens whose K/V this step computes
+    start_pos: int             # position of token_ids[0] = tokens already in the cache
+    block_table: list[int]     # physical blocks covering positions [0, start_pos + len(token_ids))
+    wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+
+
+def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, dtype: torch.dtype):
+    """uint8 [N, block_bytes] pool -> per layer (k_cache, v_cache), each [N, B, Hkv, D] (strided views)."""
+    n = pool_blocks.shape[0]
+    kv = pool_blocks.view(dtype).view(n, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+    return [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(spec.num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool_blocks: torch.Tensor,
+                 block_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = kv_cache_views(pool_blocks, spec, block_size, dtype)
+
+    def prepare(self, steps: list[SeqStep]):
+        """Flatten the ragged batch: ids/positions [T], slot mapping [T], block tables [S, max_blocks]."""
+        B = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        logits_rows: list[int] = []
+        max_blocks = max(len(s.block_table) for s in steps)
+        tables = torch.zeros((len(steps), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(steps):
+            n = len(s.token_ids)
+            end = s.start_pos + n
+            if len(s.block_table) * B < end:
+                raise ValueError(f"seq {s.seq_id}: block table covers {len(s.block_table) * B} slots, "
+                                 f"step needs {end}")
+            ids.extend(s.token_ids)
+            pos = range(s.start_pos, end)
+            positions.extend(pos)
+            slots.extend(s.block_table[p // B] * B + p % B for p in pos)
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            if s.wants_logits:
+                logits_rows.append(qsl[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(len(s.token_ids) for s in steps),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    @torch.inference_mode()
+    def execute(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Run one step; logits [R, vocab] float32 for the steps with wants_logits, in order."""
+        input_ids, positions, meta = self.prepare(steps)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)   # [T, hidden]
+        return self.model.compute_logits(hidden[meta.logits_indices])

@@ -1,0 +1,112 @@
+"""OPT (the paper's model) over the paged KV cache.
+
+Follows transformers' modeling_opt: learned positions offset by 2, pre- or post-LayerNorm
+(do_layer_norm_before), ReLU MLP, optional project_in/out when word_embed_proj_dim differs from
+hidden_size, lm_head tied to the token embedding.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from services.worker.attn_metadata import AttentionMetadata
+from services.worker.models.attention import paged_attention_layer
+
+POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = h // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        bias = getattr(cfg, "enable_bias", True)
+        self.q_proj = nn.Linear(h, h, bias=bias)
+        self.k_proj = nn.Linear(h, h, bias=bias)
+        self.v_proj = nn.Linear(h, h, bias=bias)
+        self.out_proj = nn.Linear(h, h, bias=bias)
+
+    def forward(self, x, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]                                                # x: [T, hidden]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)    # [T, H, D]
+        k = self.k_proj(x).view(T, self.num_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_heads, self.head_dim)
+        o = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
+        return self.out_proj(o.reshape(T, -1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        affine = getattr(cfg, "layer_norm_elementwise_affine", True)
+        bias = getattr(cfg, "enable_bias", True)
+        self.pre_norm = cfg.do_layer_norm_before
+        self.self_attn = OPTAttention(cfg)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        if cfg.activation_function not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation_function {cfg.activation_function!r}")
+        self.act = ACTIVATIONS[cfg.activation_function]
+
+    def forward(self, x, kv_cache, meta):
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self.self_attn(h, kv_cache, meta)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self.fc2(self.act(self.fc1(h)))
+        return x if self.pre_norm else self.final_layer_norm(x)
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        proj = cfg.word_embed_proj_dim
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, proj)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size)
+        self.project_in = nn.Linear(proj, cfg.hidden_size, bias=False) if proj != cfg.hidden_size else None
+        self.project_out = nn.Linear(cfg.hidden_size, proj, bias=False) if proj != cfg.hidden_size else None
+        keep_final = cfg.do_layer_norm_before and not getattr(cfg, "_remove_final_layer_norm", False)
+        affine = getattr(cfg, "layer_norm_elementwise_affine", True)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine) if keep_final else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+
+class OPTModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.decoder = OPTDecoder(cfg)
+
+
+class OPTForCausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.model = OPTModel(cfg)
+        self.lm_head = nn.Linear(cfg.word_embed_proj_dim, cfg.vocab_size, bias=False)
+        if getattr(cfg, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, word_embed_proj_dim]."""
+        d = self.model.decoder
+        x = d.embed_tokens(input_ids)
+        if d.project_in is not None:
+            x = d.project_in(x)
+        x = x + d.embed_positions(positions + POSITION_OFFSET)
+        for layer, kv_cache in zip(d.layers, kv_caches):
+            x = layer(x, kv_cache, meta)
+        if d.final_layer_norm is not None:
+            x = d.final_layer_norm(x)
+        if d.project_out is not None:
+            x = d.project_out(x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()                            # [R, vocab]

@@ -1,0 +1,50 @@
+"""Rotary position embedding, as transformers computes it (so outputs match token for token)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rope_parameters(cfg) -> dict:
+    # transformers 5 keeps rope settings in `rope_parameters`; 4.x used rope_theta + rope_scaling.
+    params = getattr(cfg, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(cfg, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg, head_dim: int):
+        super().__init__()
+        params = _rope_parameters(cfg)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic RoPE scaling is not supported")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]    # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]; cos, sin: [T, D]."""
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
