@@ -1,0 +1,142 @@
+"""Block allocation for one pool: refcounts, the free list, the evictable LRU, and the policy seam.
+
+BlockAllocator owns, for one pool, every block's reference count and where each free block waits:
+- `clean`: free blocks that carry no prefix hash; handed out first;
+- `evictable`: free blocks that still carry a prefix hash (their bytes can be reused by a later
+  request with the same prefix), in the order they were freed; handed out only when no clean block
+  is left, least recently freed first, and the owner is told (on_evict) so it drops the hash.
+A block is free exactly when its refcount is 0.
+
+AllocationPolicy decides how many blocks a new sequence reserves. PagedPolicy (the default) reserves
+only the blocks its tokens fill; OrcaPolicy reserves one region per request up front, the baselines
+of the PagedAttention paper. The store treats both alike: reserved blocks are used before new ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Callable, Protocol
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class AllocationPolicy(Protocol):
+    name: str
+
+    def blocks_to_reserve(self, num_tokens: int, max_total_tokens: int | None, block_size: int) -> int:
+        """Blocks a new sequence of num_tokens tokens reserves; at least ceil(num_tokens / B)."""
+        ...
+
+
+class PagedPolicy:
+    """PagedAttention: a sequence holds only the blocks its tokens need; it grows block by block."""
+
+    name = "paged"
+
+    def blocks_to_reserve(self, num_tokens: int, max_total_tokens: int | None, block_size: int) -> int:
+        return blocks_for_tokens(num_tokens, block_size)
+
+
+class OrcaPolicy:
+    """The paper's Orca baselines: reserve the request's whole region at admission.
+
+    mode "max": the model's maximum length; "pow2": the next power of two of the request's true
+    final length (prompt + output); "oracle": exactly the true final length."""
+
+    MODES = ("max", "pow2", "oracle")
+
+    def __init__(self, mode: str, max_model_len: int):
+        if mode not in self.MODES:
+            raise ValueError(f"Orca mode must be one of {self.MODES}, not {mode!r}")
+        self.mode = mode
+        self.max_model_len = max_model_len
+        self.name = f"orca-{mode}"
+
+    def blocks_to_reserve(self, num_tokens: int, max_total_tokens: int | None, block_size: int) -> int:
+        if self.mode == "max":
+            tokens = self.max_model_len
+        else:
+            if max_total_tokens is None:
+                raise ValueError(f"{self.name} needs max_total_tokens (prompt + max output)")
+            tokens = max_total_tokens
+            if self.mode == "pow2":
+                tokens = min(1 << max(0, tokens - 1).bit_length(), self.max_model_len)
+        return max(blocks_for_tokens(tokens, block_size), blocks_for_tokens(num_tokens, block_size))
+
+
+class BlockAllocator:
+    """Refcounts and free blocks of one pool of num_blocks blocks (ids 0 .. num_blocks-1)."""
+
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None):
+        self.num_blocks = num_blocks
+        self._refcounts = [0] * num_blocks
+        self._clean: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
+        self._on_evict = on_evict
+
+    @property
+    def num_free(self) -> int:
+        return len(self._clean) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def refcount(self, block: int) -> int:
+        return self._refcounts[block]
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable blocks, the next one to be evicted first."""
+        return list(self._evictable)
+
+    def clean_blocks(self) -> list[int]:
+        return list(self._clean)
+
+    def allocate(self, n: int) -> list[int]:
+        """n blocks at refcount 1. The caller checks num_free first: running short is a bug here."""
+        if n > self.num_free:
+            raise RuntimeError(f"allocator asked for {n} blocks with {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._clean:
+                block = self._clean.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                if self._on_evict is not None:
+                    self._on_evict(block)
+            self._refcounts[block] = 1
+            out.append(block)
+        return out
+
+    def incref(self, block: int) -> None:
+        """One more holder; a cached free block (a prefix hit) comes back out of the LRU."""
+        if self._refcounts[block] == 0:
+            if block not in self._evictable:
+                raise RuntimeError(f"block {block} is free and uncached: nothing to revive")
+            del self._evictable[block]
+        self._refcounts[block] += 1
+
+    def decref(self, block: int, keep_cached: bool) -> None:
+        """One holder fewer; at zero the block is free, evictable if keep_cached (it has a hash)."""
+        if self._refcounts[block] <= 0:
+            raise RuntimeError(f"block {block} freed more often than held")
+        self._refcounts[block] -= 1
+        if self._refcounts[block] == 0:
+            if keep_cached:
+                self._evictable[block] = None
+            else:
+                self._clean.append(block)
+
+    def uncache(self, block: int) -> None:
+        """An evictable block loses its hash: it moves to the clean list."""
+        del self._evictable[block]
+        self._clean.append(block)

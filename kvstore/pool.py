@@ -1,0 +1,150 @@
+"""Physical KV block pools: one byte buffer of num_blocks rows, and the copies between rows.
+
+A BlockPool owns one buffer. On CPU it is NAMED POSIX shared memory, so an unrelated process (a
+worker) can map the same bytes by name; on CUDA it is a plain device tensor (CUDA IPC handles are a
+later step). The pool knows nothing about models: `blocks` is torch.uint8 [num_blocks, block_bytes]
+and workers reinterpret it (docs/INTERFACES.md, "Tensor layout of the KV pools").
+
+Lifetime rules on CPU (see /work/shared/ENVIRONMENT.md):
+- the creator is the only process that unlinks the name; an attacher only closes its mapping;
+- Python < 3.13 registers an attached segment with the attacher's resource tracker, which unlinks it
+  when the attacher exits, so attach() unregisters it right away;
+- touching a tensor view after its segment is closed segfaults, so close() drops the views first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+
+def unique_pool_name(role: str) -> str:
+    """A shared-memory name no other process on this host uses: /dev/shm is shared by everyone."""
+    return f"pagedserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-{role}"
+
+
+class BlockPool:
+    """One pool of fixed-size blocks; build it with create() or attach(), not the constructor."""
+
+    def __init__(self, name: str, num_blocks: int, block_bytes: int, blocks: torch.Tensor,
+                 shm: shared_memory.SharedMemory | None, owner: bool):
+        self.name = name
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.blocks: torch.Tensor | None = blocks  # uint8 [num_blocks, block_bytes]
+        self._shm = shm
+        self._owner = owner
+
+    @property
+    def device(self) -> torch.device:
+        return self._live_blocks().device
+
+    @classmethod
+    def create(cls, name: str, num_blocks: int, block_bytes: int, device: str = "cpu") -> "BlockPool":
+        """Allocate a new pool. CPU: a new shared-memory segment called `name` (FileExistsError if
+        the name is taken). CUDA: torch.empty on that device; the name is only a label."""
+        _check_shape(num_blocks, block_bytes)
+        if torch.device(device).type != "cpu":
+            blocks = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=device)
+            return cls(name, num_blocks, block_bytes, blocks, shm=None, owner=True)
+        # A zero-byte segment is not allowed; one spare byte keeps empty pools (no swap space) legal.
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, num_blocks * block_bytes))
+        return cls(name, num_blocks, block_bytes, _view(shm, num_blocks, block_bytes), shm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, num_blocks: int, block_bytes: int) -> "BlockPool":
+        """Map an existing CPU pool created by another process (or this one) by its name."""
+        _check_shape(num_blocks, block_bytes)
+        shm = _attach_untracked(name)
+        if shm.size < num_blocks * block_bytes:
+            shm.close()
+            raise ValueError(f"segment {name} has {shm.size} bytes, fewer than "
+                             f"{num_blocks} x {block_bytes}")
+        return cls(name, num_blocks, block_bytes, _view(shm, num_blocks, block_bytes), shm, owner=False)
+
+    def close(self) -> None:
+        """Drop this process's mapping; the bytes live on until the name is unlinked.
+
+        Callers must not keep their own views of `blocks` past this point (they would segfault)."""
+        self.blocks = None
+        if self._shm is not None:
+            self._shm.close()
+
+    def unlink(self) -> None:
+        """Remove the name (creator only); mappings that are still open stay valid until closed."""
+        if self._shm is None:
+            return
+        if not self._owner:
+            raise ValueError(f"pool {self.name} was attached, not created, here: its creator unlinks it")
+        self._shm.unlink()
+
+    def _live_blocks(self) -> torch.Tensor:
+        if self.blocks is None:
+            raise ValueError(f"pool {self.name} is closed")
+        return self.blocks
+
+
+def _check_shape(num_blocks: int, block_bytes: int) -> None:
+    if num_blocks < 0 or block_bytes <= 0:
+        raise ValueError(f"bad pool shape: {num_blocks} blocks of {block_bytes} bytes")
+
+
+def _view(shm: shared_memory.SharedMemory, num_blocks: int, block_bytes: int) -> torch.Tensor:
+    if num_blocks == 0:
+        return torch.empty((0, block_bytes), dtype=torch.uint8)
+    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=num_blocks * block_bytes)
+    return flat.view(num_blocks, block_bytes)
+
+
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    shm = shared_memory.SharedMemory(name=name)
+    # Undo the attach-time registration, else this process's tracker unlinks the segment when this
+    # process exits and the creator (and every other worker) loses it.
+    resource_tracker.unregister(shm._name, "shared_memory")  # _name carries the leading "/"
+    return shm
+
+
+def copy_within(pool: BlockPool, pairs: list[tuple[int, int]]) -> None:
+    """pool.blocks[dst] = pool.blocks[src] for every (src, dst): the copy-on-write copy.
+
+    One place so it can run on kernels.copy_blocks (Triton on CUDA) once that package exists."""
+    if not pairs:
+        return
+    blocks = pool._live_blocks()
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=blocks.device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=blocks.device)
+    _copy_blocks_impl()(blocks, src, dst)
+
+
+def copy_between(src_pool: BlockPool, dst_pool: BlockPool, pairs: list[tuple[int, int]]) -> None:
+    """dst_pool.blocks[dst] = src_pool.blocks[src] for every (src, dst): the swap copy."""
+    if not pairs:
+        return
+    src_blocks, dst_blocks = src_pool._live_blocks(), dst_pool._live_blocks()
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_blocks.device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_blocks.device)
+    dst_blocks[dst] = src_blocks[src].to(dst_blocks.device)
+
+
+def _index_copy(blocks: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    # Advanced indexing on the right makes a copy first, so overlapping src/dst sets stay correct.
+    blocks[dst] = blocks[src]
+
+
+def _copy_blocks_impl():
+    """kernels.copy_blocks when the kernels package provides it, else plain indexing.
+
+    Imported lazily: `kernels` pulls in Triton, which the bookkeeping-only store never needs."""
+    try:
+        from kernels import copy_blocks
+    except ImportError as err:
+        if err.name != "kernels":  # kernels exists but is broken: say so, don't hide it
+            raise
+        return _index_copy
+    return copy_blocks

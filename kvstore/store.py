@@ -1,0 +1,429 @@
+"""BlockStore: the block-store core that the kvstore process wraps (no sockets, no clocks).
+
+Ownership: only the kvstore process, through this core, mutates the device and host pools' block
+state: refcounts, free lists, the evictable LRU, per-sequence block tables, the prefix-hash index,
+and the bytes moved by copy-on-write and swap copies. The scheduler asks for operations and reads
+the results (it may mirror counts); workers read and write K/V only in slots they were handed and
+never allocate. The offline engine runs this same class in-process.
+
+Operations either succeed or return ok=False with a reason and change nothing (capacity is checked
+before any state is touched). ValueError means a programming error: an unknown or duplicate seq id,
+an operation on a sequence in the wrong pool, a range outside a sequence.
+
+Copy-on-write: before new tokens land in a block whose refcount is above 1, the writer gets a fresh
+block, the bytes are copied in every device pool, and AppendResult.copies says (old, new). The last
+holder of a shared block writes in place, so a partly filled block shared by a fork is copied once.
+
+Prefix caching (device only): a full block gets its chained hash when it is marked computed; a freed
+hashed block waits in the allocator's evictable LRU with its index entry until it is reused. Lookups
+never cover a prompt's last token, so the model always computes at least one token of a prompt.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from kvstore.allocator import AllocationPolicy, BlockAllocator, PagedPolicy, blocks_for_tokens
+from kvstore.block_table import DEVICE, HOST, SequenceTable
+from kvstore.pool import BlockPool, copy_between, copy_within
+from kvstore.prefix_index import PrefixIndex, extend_hashes
+
+
+@dataclass
+class AllocResult:
+    ok: bool
+    num_cached_tokens: int = 0
+    reason: str = ""
+
+
+@dataclass
+class AppendResult:
+    ok: bool
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src_block, dst_block)
+    reason: str = ""
+
+
+@dataclass
+class SwapResult:
+    ok: bool
+    # swap_out: (device_block, host_block); swap_in: (host_block, device_block); one per distinct block
+    mapping: list[tuple[int, int]] = field(default_factory=list)
+    reason: str = ""
+
+
+class BlockStore:
+    """Device + host block pools, refcounts, block tables and the device prefix index."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True, device_pools: Sequence[BlockPool] = (),
+                 host_pools: Sequence[BlockPool] = (), policy: AllocationPolicy | None = None):
+        if block_size <= 0 or num_device_blocks < 0 or num_host_blocks < 0:
+            raise ValueError("block_size must be positive and block counts non-negative")
+        _check_pools(num_device_blocks, num_host_blocks, device_pools, host_pools)
+        self.block_size = block_size
+        self.policy: AllocationPolicy = policy if policy is not None else PagedPolicy()
+        self.device_pools = tuple(device_pools)
+        self.host_pools = tuple(host_pools)
+        self._index = PrefixIndex() if enable_prefix_caching else None
+        self._device = BlockAllocator(num_device_blocks,
+                                      on_evict=self._index.drop if self._index is not None else None)
+        self._host = BlockAllocator(num_host_blocks)
+        self._seqs: dict[int, SequenceTable] = {}
+        self._counters = Counter()
+        self._peak_device_used = 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._index is not None
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self._device.num_free
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host.num_free
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def can_allocate(self, num_tokens: int, max_total_tokens: int | None = None) -> bool:
+        """Whether a new sequence of num_tokens fits even with no prefix hit (so a True is a
+        promise: hits only lower the need, by at least as many blocks as they take off the LRU)."""
+        need = self.policy.blocks_to_reserve(num_tokens, max_total_tokens, self.block_size)
+        return need <= self._device.num_free
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], extra_keys: tuple = (),
+                 max_total_tokens: int | None = None) -> AllocResult:
+        """Admit a sequence: reuse the longest cached prefix, then reserve blocks for the rest.
+
+        max_total_tokens (prompt + most output) only matters to reserving policies (Orca)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if len(token_ids) == 0:
+            raise ValueError("a sequence needs at least one token")
+        tokens, extras = [int(t) for t in token_ids], tuple(extra_keys)
+        reserve = self.policy.blocks_to_reserve(len(tokens), max_total_tokens, self.block_size)
+        hashes: list[bytes] = []
+        hits: list[int] = []
+        if self._index is not None:
+            # Only blocks strictly before the last token: its logits must be computed.
+            extend_hashes(hashes, tokens, self.block_size, (len(tokens) - 1) // self.block_size, extras)
+            hits = self._index.longest_prefix(hashes)
+        revived_from_lru = sum(1 for b in hits if self._device.refcount(b) == 0)
+        new = reserve - len(hits)
+        if new > self._device.num_free - revived_from_lru:
+            return AllocResult(False, 0, f"needs {new} new device blocks, "
+                                         f"{self._device.num_free - revived_from_lru} free")
+        # Revive hits before allocating, else allocation could evict the very blocks we hit.
+        for b in hits:
+            self._device.incref(b)
+        blocks = hits + self._device.allocate(new)
+        self._seqs[seq_id] = SequenceTable(blocks=blocks, token_ids=tokens, extra_keys=extras,
+                                           location=DEVICE, reserved_blocks=reserve, hashes=hashes,
+                                           num_registered=len(hits))
+        cached = len(hits) * self.block_size
+        if self._index is not None:
+            self._counters["prefix_queries_tokens"] += len(tokens)
+            self._counters["prefix_hit_tokens"] += cached
+        self._note_peak()
+        return AllocResult(True, cached)
+
+    # ---- growth, copy-on-write, prefix registration ----------------------------------------
+
+    def append_blocks_needed(self, seq_ids: Iterable[int], num_new_tokens: int = 1) -> int:
+        """New device blocks that appending num_new_tokens to each of seq_ids (in any order) takes,
+        copy-on-write copies included. A block shared by r tables of which w write: w copies when
+        w < r, w - 1 when w == r (the last writer owns it by then)."""
+        tables = self._tables(seq_ids, DEVICE)
+        writers: Counter[int] = Counter()
+        new = 0
+        for t in tables:
+            lo, hi = self._append_span(t, num_new_tokens)
+            writers.update(t.blocks[i] for i in range(lo, min(hi, len(t.blocks))))
+            new += max(0, hi - len(t.blocks))
+        for block, w in writers.items():
+            shared = self._device.refcount(block)
+            if shared > 1:
+                new += w if w < shared else w - 1
+        return new
+
+    def can_append(self, seq_ids: Iterable[int], num_new_tokens: int = 1) -> bool:
+        return self.append_blocks_needed(seq_ids, num_new_tokens) <= self._device.num_free
+
+    def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> AppendResult:
+        """Grow a device sequence by token_ids: copy shared blocks it will write, add blocks past its
+        end. The new tokens' slots are slot_mapping(seq_id, old_len, new_len) afterwards."""
+        t = self._table(seq_id, DEVICE)
+        if len(token_ids) == 0:
+            return AppendResult(True)
+        lo, hi = self._append_span(t, len(token_ids))
+        cow = [i for i in range(lo, min(hi, len(t.blocks))) if self._device.refcount(t.blocks[i]) > 1]
+        new = max(0, hi - len(t.blocks))
+        if len(cow) + new > self._device.num_free:
+            return AppendResult(False, [], f"needs {len(cow) + new} device blocks "
+                                           f"({len(cow)} copy-on-write), {self._device.num_free} free")
+        copies = []
+        for i, dst in zip(cow, self._device.allocate(len(cow))):
+            src = t.blocks[i]
+            self._device.decref(src, keep_cached=self._has_hash(src, DEVICE))  # others still hold it
+            t.blocks[i] = dst
+            copies.append((src, dst))
+        for pool in self.device_pools:
+            copy_within(pool, copies)
+        t.blocks.extend(self._device.allocate(new))
+        t.token_ids.extend(int(x) for x in token_ids)
+        self._counters["cow_copies"] += len(copies)
+        self._note_peak()
+        return AppendResult(True, copies)
+
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
+        """K/V of the first num_computed_tokens tokens is written: key every full block below it."""
+        t = self._table(seq_id, DEVICE)
+        if not 0 <= num_computed_tokens <= t.num_tokens:
+            raise ValueError(f"sequence {seq_id} has {t.num_tokens} tokens, "
+                             f"not {num_computed_tokens} computed")
+        if self._index is None:
+            return
+        full = num_computed_tokens // self.block_size
+        if full <= t.num_registered:
+            return
+        extend_hashes(t.hashes, t.token_ids, self.block_size, full, t.extra_keys)
+        for i in range(t.num_registered, full):
+            self._index.register(t.blocks[i], t.hashes[i])
+        t.num_registered = full
+
+    # ---- sharing and release ---------------------------------------------------------------
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (same pool); nothing is allocated."""
+        parent = self._table(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id} already exists")
+        alloc = self._alloc(parent.location)
+        for b in parent.blocks:
+            alloc.incref(b)
+        self._seqs[child_id] = parent.fork()
+
+    def free(self, seq_id: int) -> None:
+        t = self._table(seq_id)
+        del self._seqs[seq_id]
+        alloc = self._alloc(t.location)
+        # Tail first: the LRU then evicts a prefix's last blocks before its first ones, and a
+        # prefix with its head evicted is useless while one with its tail evicted still hits.
+        for b in reversed(t.blocks):
+            alloc.decref(b, keep_cached=self._has_hash(b, t.location))
+
+    # ---- preemption by swapping ------------------------------------------------------------
+
+    def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
+        return len(self._group_refs(self._tables(seq_ids, DEVICE))) <= self._host.num_free
+
+    def can_swap_in(self, seq_ids: Iterable[int]) -> bool:
+        return len(self._group_refs(self._tables(seq_ids, HOST))) <= self._device.num_free
+
+    def swap_out(self, seq_ids: Iterable[int]) -> SwapResult:
+        """Move a group (one request's sequences) to the host pool, all or nothing."""
+        return self._swap(self._tables(seq_ids, DEVICE), DEVICE, HOST)
+
+    def swap_in(self, seq_ids: Iterable[int]) -> SwapResult:
+        """Bring a swapped group back to the device pool, all or nothing."""
+        return self._swap(self._tables(seq_ids, HOST), HOST, DEVICE)
+
+    def _swap(self, tables: list[SequenceTable], src_loc: str, dst_loc: str) -> SwapResult:
+        src, dst = self._alloc(src_loc), self._alloc(dst_loc)
+        refs = self._group_refs(tables)  # each shared block moves once, keeping its in-group count
+        if len(refs) > dst.num_free:
+            return SwapResult(False, [], f"needs {len(refs)} {dst_loc} blocks, {dst.num_free} free")
+        new_blocks = dst.allocate(len(refs))
+        mapping = list(zip(refs, new_blocks))
+        src_pools, dst_pools = ((self.device_pools, self.host_pools) if src_loc == DEVICE
+                                else (self.host_pools, self.device_pools))
+        for sp, dp in zip(src_pools, dst_pools):
+            copy_between(sp, dp, mapping)
+        for (old, count), new in zip(refs.items(), new_blocks):
+            for _ in range(count - 1):
+                dst.incref(new)
+            # A device block whose last holder leaves is gone from the device: it keeps no hash.
+            if src_loc == DEVICE and src.refcount(old) == count and self._has_hash(old, DEVICE):
+                self._index.drop(old)
+            for _ in range(count):
+                src.decref(old, keep_cached=self._has_hash(old, src_loc))
+        moved = dict(mapping)
+        for t in tables:
+            t.blocks = [moved[b] for b in t.blocks]
+            t.location = dst_loc
+            t.num_registered = 0  # re-registered by mark_computed once back on the device
+        kind = "out" if src_loc == DEVICE else "in"
+        self._counters[f"swap_{kind}s"] += 1
+        self._counters[f"swap_{kind}_blocks"] += len(mapping)
+        self._note_peak()
+        return SwapResult(True, mapping)
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._table(seq_id).blocks)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._table(seq_id).num_tokens
+
+    def location(self, seq_id: int) -> str:
+        return self._table(seq_id).location
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        return list(self._table(seq_id).token_ids)
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Slots (block * B + offset) of token positions start .. end-1 of a sequence."""
+        t = self._table(seq_id)
+        if not 0 <= start <= end <= t.num_tokens:
+            raise ValueError(f"positions {start}..{end} outside sequence {seq_id} "
+                             f"of {t.num_tokens} tokens")
+        return [t.slot(p, self.block_size) for p in range(start, end)]
+
+    def refcount(self, block: int, location: str = DEVICE) -> int:
+        return self._alloc(location).refcount(block)
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached free device blocks, the next to be evicted first."""
+        return self._device.evictable_blocks()
+
+    def block_hash(self, block: int) -> bytes | None:
+        """The prefix key of a device block, None if it has none."""
+        return self._index.hash_of(block) if self._index is not None else None
+
+    def stats(self) -> dict:
+        """Counts for metrics and tests. Slot counts take each physical block once (shared blocks
+        are not double-counted); empty slots are those of used blocks that hold no token yet."""
+        filled = {DEVICE: {}, HOST: {}}
+        for t in self._seqs.values():
+            per_block = filled[t.location]
+            for i, b in enumerate(t.blocks):
+                per_block[b] = max(per_block.get(b, 0), t.filled(i, self.block_size))
+        out = {}
+        for loc, alloc in ((DEVICE, self._device), (HOST, self._host)):
+            slots = sum(filled[loc].values())
+            out[f"{loc}_blocks_total"] = alloc.num_blocks
+            out[f"{loc}_blocks_used"] = alloc.num_used
+            out[f"{loc}_blocks_free"] = alloc.num_free
+            out[f"{loc}_token_slots_filled"] = slots
+            out[f"{loc}_token_slots_empty"] = alloc.num_used * self.block_size - slots
+        out["device_blocks_evictable"] = self._device.num_evictable
+        out["device_blocks_cached"] = len(self._index) if self._index is not None else 0
+        out["device_blocks_peak_used"] = self._peak_device_used
+        out["num_sequences"] = len(self._seqs)
+        for name in ("prefix_queries_tokens", "prefix_hit_tokens", "cow_copies",
+                     "swap_outs", "swap_out_blocks", "swap_ins", "swap_in_blocks"):
+            out[name] = self._counters[name]
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent. O(total blocks): for tests."""
+        held = {DEVICE: Counter(), HOST: Counter()}
+        for seq_id, t in self._seqs.items():
+            _require(t.location in held, f"seq {seq_id}: bad location {t.location}")
+            held[t.location].update(t.blocks)
+            _require(len(set(t.blocks)) == len(t.blocks), f"seq {seq_id} holds a block twice")
+            # The memory rule: tokens fill blocks front to back, so only the last block holding
+            # tokens is partly filled, and a sequence holds no block past it beyond its reservation.
+            want = max(blocks_for_tokens(t.num_tokens, self.block_size), t.reserved_blocks)
+            _require(len(t.blocks) == want, f"seq {seq_id}: {len(t.blocks)} blocks for "
+                                            f"{t.num_tokens} tokens, expected {want}")
+            _require(t.num_registered * self.block_size <= t.num_tokens,
+                     f"seq {seq_id} registered past its tokens")
+            if t.location == DEVICE and self._index is not None:
+                self._check_hashes(seq_id, t)
+        for loc, alloc in ((DEVICE, self._device), (HOST, self._host)):
+            clean, lru = alloc.clean_blocks(), alloc.evictable_blocks()
+            free = set(clean) | set(lru)
+            _require(len(free) == len(clean) + len(lru), f"{loc}: a block is free twice")
+            _require(len(free) + alloc.num_used == alloc.num_blocks, f"{loc}: free + used != total")
+            for b in range(alloc.num_blocks):
+                rc = alloc.refcount(b)
+                _require(rc == held[loc][b], f"{loc} block {b}: refcount {rc}, "
+                                             f"held by {held[loc][b]} tables")
+                _require((rc == 0) == (b in free), f"{loc} block {b}: refcount {rc} vs free list")
+                has_hash = self._has_hash(b, loc)
+                if b in free:
+                    _require(has_hash == (b in lru), f"{loc} block {b}: cached iff evictable")
+        if self._index is not None:
+            for h, b in self._index.items():
+                _require(self._index.hash_of(b) == h, f"index maps are not inverse at block {b}")
+
+    def _check_hashes(self, seq_id: int, t: SequenceTable) -> None:
+        # A keyed block must hold exactly the tokens (and extras) its key names in this sequence.
+        full = t.num_tokens // self.block_size
+        hashes = list(t.hashes[:full])
+        extend_hashes(hashes, t.token_ids, self.block_size, full, t.extra_keys)
+        for i, b in enumerate(t.blocks):
+            h = self._index.hash_of(b)
+            if h is not None:
+                _require(i < full and h == hashes[i], f"seq {seq_id} block {i} ({b}): wrong key")
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _table(self, seq_id: int, location: str | None = None) -> SequenceTable:
+        t = self._seqs.get(seq_id)
+        if t is None:
+            raise ValueError(f"unknown sequence {seq_id}")
+        if location is not None and t.location != location:
+            raise ValueError(f"sequence {seq_id} is on {t.location}, not {location}")
+        return t
+
+    def _tables(self, seq_ids: Iterable[int], location: str) -> list[SequenceTable]:
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate sequence ids in {ids}")
+        return [self._table(s, location) for s in ids]
+
+    def _alloc(self, location: str) -> BlockAllocator:
+        if location == DEVICE:
+            return self._device
+        if location == HOST:
+            return self._host
+        raise ValueError(f"location must be {DEVICE!r} or {HOST!r}, not {location!r}")
+
+    def _has_hash(self, block: int, location: str) -> bool:
+        return location == DEVICE and self._index is not None and self._index.hash_of(block) is not None
+
+    def _append_span(self, t: SequenceTable, num_new: int) -> tuple[int, int]:
+        """Logical blocks [lo, hi) that receive num_new tokens appended to t."""
+        if num_new <= 0:
+            return 0, 0
+        return t.num_tokens // self.block_size, (t.num_tokens + num_new - 1) // self.block_size + 1
+
+    @staticmethod
+    def _group_refs(tables: list[SequenceTable]) -> Counter[int]:
+        """Distinct blocks of a group, in first-seen order, with how many of its tables hold each."""
+        refs: Counter[int] = Counter()
+        for t in tables:
+            refs.update(t.blocks)
+        return refs
+
+    def _note_peak(self) -> None:
+        self._peak_device_used = max(self._peak_device_used, self._device.num_used)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)
+
+
+def _check_pools(num_device_blocks: int, num_host_blocks: int, device_pools: Sequence[BlockPool],
+                 host_pools: Sequence[BlockPool]) -> None:
+    if device_pools and host_pools and len(device_pools) != len(host_pools):
+        raise ValueError("device_pools[i] swaps with host_pools[i]: give as many of each")
+    if (bool(device_pools) != bool(host_pools)) and num_host_blocks > 0 and num_device_blocks > 0:
+        raise ValueError("with host blocks, give host pools for the device pools (or neither)")
+    for pools, n in ((device_pools, num_device_blocks), (host_pools, num_host_blocks)):
+        for p in pools:
+            if p.num_blocks < n:
+                raise ValueError(f"pool {p.name} has {p.num_blocks} blocks, store needs {n}")
+    for dp, hp in zip(device_pools, host_pools):
+        if dp.block_bytes != hp.block_bytes:
+            raise ValueError(f"pools {dp.name} and {hp.name} differ in block_bytes")
