@@ -1,0 +1,177 @@
+"""Sampling parameters of one request, shared by router, scheduler and worker.
+
+This module owns `SamplingParams` (vLLM's fields, defaults and ranges), its validation and its wire
+form. It imports nothing heavy (no torch) because the router and the scheduler import it too.
+
+Semantics follow vLLM:
+- temperature 0 means greedy (below 1e-5 counts as 0, as in vLLM, so logits are never divided by a
+  vanishing number); beam search (beam_width > 1) is always greedy and deterministic.
+- top_k 0 or -1 disables top-k; top_p 1.0 disables top-p; min_p 0.0 disables min-p.
+- logprobs None asks for nothing; k >= 0 asks for the sampled token's logprob plus the top-k
+  alternatives (of the raw model distribution).
+- stop strings are checked by the router; stop_token_ids, EOS and max_tokens by the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this a temperature counts as greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# vLLM's default --max-logprobs.
+MAX_LOGPROBS = 20
+# msgpack carries integers in [-2**63, 2**64): a seed outside cannot travel.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range or of the wrong type; `.param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.use_beam_search or self.temperature < SAMPLING_EPS
+
+    def validate(self) -> "SamplingParams":
+        """Raise SamplingParamsError for the first bad field; return self so calls can chain."""
+        # Types first, so the range checks below can compare without surprises.
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "beam_width"):
+            _require_int(name, getattr(self, name))
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "length_penalty"):
+            _require_number(name, getattr(self, name))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            raise SamplingParamsError("n", f"n must be at least 1, got {self.n}")
+        if self.beam_width < 1:
+            raise SamplingParamsError("beam_width", f"beam_width must be at least 1, got {self.beam_width}")
+        if self.use_beam_search and self.n > self.beam_width:
+            raise SamplingParamsError(
+                "n", f"n ({self.n}) must not exceed beam_width ({self.beam_width}) in beam search")
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"min_tokens must be at least 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.temperature < 0:
+            raise SamplingParamsError(
+                "temperature", f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise SamplingParamsError(
+                "top_k", f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0.0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise SamplingParamsError("seed", f"seed must fit in 64 bits, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(
+                "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop", f"stop must be a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise SamplingParamsError("stop", "stop must not contain an empty string")
+        if not isinstance(self.stop_token_ids, list):
+            raise SamplingParamsError(
+                "stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id)
+            if token_id < 0:
+                raise SamplingParamsError(
+                    "stop_token_ids", f"stop_token_ids must be non-negative, got {token_id}")
+        # Checked by type, not `in (False, True, "never")`, which would let 0 and 1 pass as booleans.
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise SamplingParamsError(
+                "early_stopping", f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise SamplingParamsError(
+                "cache_salt", f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: only ints, floats, strs, bools, None and lists of those (msgpack-friendly)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, (list, tuple)) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        """Decode and validate the wire form; unknown keys are an error (they mean a version skew)."""
+        if not isinstance(data, dict):
+            raise SamplingParamsError("sampling_params", f"sampling params must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise SamplingParamsError(str(key), f"unknown sampling parameter {key!r}")
+        kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+        return cls(**kwargs).validate()
+
+
+def _require_int(name: str, value: Any) -> None:
+    # bool is a subclass of int in Python; a JSON `true` must not pass for n=1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+
+
+def _require_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError(name, f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise SamplingParamsError(name, f"{name} must be finite, got {value!r}")
