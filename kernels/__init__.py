@@ -1,0 +1,66 @@
+"""Paged-attention kernels behind one dispatching API (docs/INTERFACES.md, "kernels/").
+
+Each function takes `impl`: None picks Triton for CUDA tensors and the PyTorch reference otherwise;
+"triton" or "reference" force one. The Triton module is imported only when it is first chosen:
+importing it decorates the kernels, and on a CPU-only machine that must happen after
+TRITON_INTERPRET=1 is set (tests set it) — importing `kernels` alone never touches Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+__all__ = ["write_kv_cache", "paged_attention", "paged_decode_attention", "copy_blocks",
+           "resolve_impl"]
+
+_IMPLS = ("triton", "reference")
+
+
+def resolve_impl(tensor: torch.Tensor, impl: str | None) -> str:
+    """The implementation a call on `tensor` with this `impl` argument runs."""
+    if impl is None:
+        return "triton" if tensor.is_cuda else "reference"
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS} or None, got {impl!r}")
+    return impl
+
+
+def _backend(tensor: torch.Tensor, impl: str | None) -> ModuleType:
+    if resolve_impl(tensor, impl) == "reference":
+        return reference
+    return importlib.import_module("kernels.triton_ops")
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   impl: str | None = None) -> None:
+    """key, value: [T, Hkv, D] -> their slots in k_cache, v_cache [N, B, Hkv, D]; slot < 0 skipped."""
+    _backend(key, impl).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                    impl: str | None = None) -> torch.Tensor:
+    """Ragged causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    return _backend(q, impl).paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             query_start_loc, scale, max_query_len)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           impl: str | None = None) -> torch.Tensor:
+    """One query per sequence, q [S, Hq, D] at position seq_lens[s]-1 -> [S, Hq, D]."""
+    return _backend(q, impl).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                    scale)
+
+
+def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                impl: str | None = None) -> None:
+    """pool[dst[i]] = pool[src[i]] for pool [num_blocks, ...], src/dst [N] int64."""
+    _backend(pool, impl).copy_blocks(pool, src, dst)

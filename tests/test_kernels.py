@@ -1,0 +1,298 @@
+"""Paged-attention kernels: Triton (interpreted on CPU), the PyTorch reference, and ordinary
+contiguous attention must agree on the same random data.
+
+Caches are built exactly as the worker builds them (docs/INTERFACES.md, tensor layout): a byte pool
+viewed as [N, L, 2, B, Hkv, D] and sliced to one layer's K or V, so stride(0) spans every layer and
+both K and V. Block tables are shuffled, so neither contiguity nor monotonic order is assumed.
+Triton cases stay tiny: the interpreter costs ~10 ms per (program x loop iteration).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of kernels.triton_ops: @triton.jit reads it when decorating.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402  (never imports triton_ops by itself)
+from kernels import reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_LAYERS = 2
+LAYER = 1  # the last layer: its K/V sit at a non-zero offset inside each block row
+GARBAGE = 50.0  # scale of the junk left in unused cache slots: any read of it shows in the output
+
+
+@pytest.fixture(scope="module")
+def triton_ops():
+    """kernels.triton_ops, decorated for the interpreter on a CPU-only machine.
+
+    Another test module may have imported it before TRITON_INTERPRET was set; its kernels would
+    then need a GPU driver, so the module is reloaded (which re-decorates them) in that case.
+    """
+    ops = importlib.import_module("kernels.triton_ops")
+    if not torch.cuda.is_available():
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(ops._paged_decode_kernel, InterpretedFunction):
+            ops = importlib.reload(ops)
+    return ops
+
+
+# ----------------------------------------------------------------------------------------------
+# Building paged caches from contiguous per-sequence K/V
+# ----------------------------------------------------------------------------------------------
+
+def make_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
+    """A byte pool as the kvstore holds it, filled with junk; returns (pool, k_cache, v_cache)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block_bytes = NUM_LAYERS * 2 * block_size * num_kv_heads * head_dim * itemsize
+    pool = torch.empty(num_blocks, block_bytes, dtype=torch.uint8, device=DEVICE)
+    kv = pool.view(dtype).view(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
+    kv.copy_(GARBAGE * torch.randn(kv.shape, generator=gen).to(dtype))
+    k_cache, v_cache = kv[:, LAYER, 0], kv[:, LAYER, 1]  # [N, B, Hkv, D]
+    assert k_cache.stride(0) == NUM_LAYERS * 2 * block_size * num_kv_heads * head_dim
+    assert not k_cache.is_contiguous()
+    return pool, k_cache, v_cache
+
+
+class PagedCase:
+    """Random sequences stored in a shuffled paged cache, plus their contiguous originals.
+
+    seq_lens[s] includes this step's q_lens[s] query tokens (the last q_lens[s] positions).
+    """
+
+    def __init__(self, seq_lens, q_lens, block_size, num_q_heads, num_kv_heads, head_dim,
+                 dtype, seed=0, spare_blocks=3):
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
+        self.block_size, self.dtype, self.scale = block_size, dtype, head_dim ** -0.5
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + spare_blocks
+        self.pool, self.k_cache, self.v_cache = make_pool(
+            num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+
+        # A random permutation makes tables non-contiguous and non-monotonic. Entries past a
+        # sequence's blocks are junk that must never be dereferenced: -1 and out-of-pool ids.
+        physical = torch.randperm(num_blocks, generator=gen).tolist()
+        table = torch.randint(-1, 2, (len(seq_lens), max(blocks_per_seq)), generator=gen)
+        table = torch.where(table >= 0, table * 0 + 10 * num_blocks + 7, table).to(torch.int32)
+        self.keys, self.values, queries = [], [], []
+        for s, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
+            k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+            v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+            for i in range(blocks_per_seq[s]):
+                block = physical.pop()
+                table[s, i] = block
+                lo, hi = i * block_size, min(n, (i + 1) * block_size)
+                self.k_cache[block, : hi - lo] = k[lo:hi]
+                self.v_cache[block, : hi - lo] = v[lo:hi]
+            self.keys.append(k)
+            self.values.append(v)
+            queries.append(torch.randn(q_len, num_q_heads, head_dim, generator=gen).to(dtype))
+        self.q = torch.cat(queries).to(DEVICE)  # [T, Hq, D]
+        self.block_tables = table.to(DEVICE)
+        self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        qsl = [0]
+        for q_len in q_lens:
+            qsl.append(qsl[-1] + q_len)
+        self.query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+        self.max_query_len = max(q_lens)
+
+    def paged(self, impl):
+        return kernels.paged_attention(
+            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens_t,
+            self.query_start_loc, self.scale, self.max_query_len, impl=impl)
+
+    def contiguous(self):
+        """Ordinary SDPA on each sequence's own contiguous K/V, in float32: [T, Hq, D]."""
+        outs, start = [], 0
+        for k, v, n, q_len in zip(self.keys, self.values, self.seq_lens, self.q_lens):
+            q = self.q[start:start + q_len].float().transpose(0, 1)  # [Hq, q_len, D]
+            start += q_len
+            q_pos = torch.arange(n - q_len, n, device=DEVICE)
+            mask = torch.arange(n, device=DEVICE)[None, :] <= q_pos[:, None]  # [q_len, n]
+            out = F.scaled_dot_product_attention(
+                q, k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=mask,
+                scale=self.scale, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs)
+
+
+def tolerance(dtype):
+    return {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {"atol": 2e-5, "rtol": 2e-5}
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), **tolerance(dtype))
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference vs contiguous attention (bigger shapes: the reference is the CPU serving path)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_ragged_matches_contiguous(block_size, dtype):
+    # pure prefill, prefill over a cached prefix, chunked prefill mid-sequence, two decodes
+    case = PagedCase(seq_lens=[150, 200, 97, 1, 333], q_lens=[150, 37, 50, 1, 1],
+                     block_size=block_size, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     dtype=dtype, seed=block_size)
+    assert_close(case.paged("reference"), case.contiguous(), dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_kv_heads", [1, 4, 8])
+def test_reference_decode_matches_contiguous(block_size, num_kv_heads):
+    seq_lens = [1, 7, 64, 65, 300, 129]
+    case = PagedCase(seq_lens=seq_lens, q_lens=[1] * len(seq_lens), block_size=block_size,
+                     num_q_heads=8, num_kv_heads=num_kv_heads, head_dim=32,
+                     dtype=torch.float32, seed=num_kv_heads)
+    out = kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                         case.seq_lens_t, case.scale, impl="reference")
+    assert_close(out, case.contiguous(), torch.float32)
+    # paged_attention with one query per sequence is the same computation
+    assert_close(case.paged("reference"), out, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton vs reference vs contiguous (tiny shapes: interpreted on CPU)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_ragged_attention(triton_ops, block_size, dtype):
+    # pure prefill; prefill over a prefix long enough for two KV tiles; a decode row inside the
+    # ragged batch; GQA with 4 query heads over 2 kv heads.
+    case = PagedCase(seq_lens=[19, 70, 9], q_lens=[19, 6, 1], block_size=block_size,
+                     num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype, seed=block_size)
+    out = case.paged("triton")
+    assert_close(out, case.paged("reference"), dtype)
+    assert_close(out, case.contiguous(), dtype)
+
+
+def test_triton_ragged_attention_long_prefix_big_heads(triton_ops):
+    # several KV tiles (32 tokens each for head_dim 128) and several query blocks per sequence
+    case = PagedCase(seq_lens=[150, 40], q_lens=[45, 40], block_size=16, num_q_heads=8,
+                     num_kv_heads=2, head_dim=128, dtype=torch.float16, seed=3)
+    out = case.paged("triton")
+    assert_close(out, case.paged("reference"), torch.float16)
+    assert_close(out, case.contiguous(), torch.float16)
+
+
+def test_triton_ragged_attention_uneven_group(triton_ops):
+    # 3 query heads per kv head: query rows of a program do not fill a power-of-two tile.
+    case = PagedCase(seq_lens=[12, 30], q_lens=[12, 7], block_size=8, num_q_heads=6,
+                     num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=5)
+    assert_close(case.paged("triton"), case.contiguous(), torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_decode_attention(triton_ops, block_size, dtype):
+    seq_lens = [1, 17, 70]
+    case = PagedCase(seq_lens=seq_lens, q_lens=[1] * 3, block_size=block_size, num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, dtype=dtype, seed=block_size + 1)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
+    out = kernels.paged_decode_attention(*args, impl="triton")
+    assert_close(out, kernels.paged_decode_attention(*args, impl="reference"), dtype)
+    assert_close(out, case.contiguous(), dtype)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(2, 2, 128), (4, 1, 64)])
+def test_triton_decode_head_shapes(triton_ops, num_q_heads, num_kv_heads, head_dim):
+    # no GQA with the largest head size (smaller KV tile); every query head on one kv head
+    case = PagedCase(seq_lens=[40, 5], q_lens=[1, 1], block_size=16, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32, seed=7)
+    assert_close(case.paged("triton"), case.contiguous(), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# K/V cache write and block copy
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache(request, impl, block_size, dtype):
+    if impl == "triton":
+        request.getfixturevalue("triton_ops")
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim = 6, 2, 16
+    pool, k_cache, v_cache = make_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    before = pool.clone()
+    # Slots scattered over blocks out of order, with padding (-1) between them; the key is a
+    # strided slice, as when it comes out of a fused QKV projection.
+    slots = [3 * block_size + 1, -1, 0, 5 * block_size + block_size - 1, -1, 2 * block_size + 4]
+    qkv = torch.randn(len(slots), 3, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    key, value = qkv[:, 1], qkv[:, 2]  # [T, Hkv, D], stride(0) = 3 * Hkv * D
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, impl=impl)
+
+    expected = before.clone()
+    kv = expected.view(dtype).view(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            kv[slot // block_size, LAYER, 0, slot % block_size] = key[t]
+            kv[slot // block_size, LAYER, 1, slot % block_size] = value[t]
+    assert torch.equal(pool, expected)  # byte-exact, and nothing else in the pool was touched
+    assert not torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_write_kv_cache_all_padding(request, impl):
+    if impl == "triton":
+        request.getfixturevalue("triton_ops")
+    gen = torch.Generator().manual_seed(0)
+    pool, k_cache, v_cache = make_pool(2, 8, 1, 16, torch.float32, gen)
+    before = pool.clone()
+    key = torch.randn(3, 1, 16, device=DEVICE)
+    kernels.write_kv_cache(key, key, k_cache, v_cache,
+                           torch.full((3,), -1, dtype=torch.int64, device=DEVICE), impl=impl)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("pool_dtype,row_shape", [(torch.uint8, (1000,)),  # the kvstore's pool
+                                                  (torch.uint8, (1001,)),  # odd byte count
+                                                  (torch.float16, (2, 8, 16))])
+def test_copy_blocks(request, impl, pool_dtype, row_shape):
+    if impl == "triton":
+        request.getfixturevalue("triton_ops")
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randint(0, 255, (7, *row_shape), generator=gen).to(pool_dtype).to(DEVICE)
+    before = pool.clone()
+    src = torch.tensor([0, 4, 4], dtype=torch.int64, device=DEVICE)
+    dst = torch.tensor([6, 1, 2], dtype=torch.int64, device=DEVICE)
+    kernels.copy_blocks(pool, src, dst, impl=impl)
+    expected = before.clone()
+    for s, d in zip(src.tolist(), dst.tolist()):
+        expected[d] = before[s]
+    assert torch.equal(pool, expected)
+
+
+def test_reference_copy_blocks_reads_before_writing():
+    pool = torch.arange(4, dtype=torch.float32)[:, None].repeat(1, 3)  # row i holds i
+    reference.copy_blocks(pool, torch.tensor([0, 1]), torch.tensor([1, 2]))
+    assert pool[:, 0].tolist() == [0, 0, 1, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------
+
+def test_dispatch_picks_reference_for_cpu_and_rejects_unknown_impl():
+    cpu = torch.zeros(1)
+    assert kernels.resolve_impl(cpu, None) == "reference"
+    assert kernels.resolve_impl(cpu, "triton") == "triton"
+    with pytest.raises(ValueError):
+        kernels.resolve_impl(cpu, "cuda")
