@@ -21,6 +21,14 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
+from kernels import copy_blocks
+
+
+# Names this process (or a parent it was forked from, which shares its resource tracker) created.
+# Attaching to one of them must not unregister it: that registration is the creator's, and the
+# tracker keeps one entry per name, so unregistering would drop it and break the creator's unlink.
+_created_here: set[str] = set()
+
 
 def unique_pool_name(role: str) -> str:
     """A shared-memory name no other process on this host uses: /dev/shm is shared by everyone."""
@@ -53,6 +61,7 @@ class BlockPool:
             return cls(name, num_blocks, block_bytes, blocks, shm=None, owner=True)
         # A zero-byte segment is not allowed; one spare byte keeps empty pools (no swap space) legal.
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, num_blocks * block_bytes))
+        _created_here.add(name)
         return cls(name, num_blocks, block_bytes, _view(shm, num_blocks, block_bytes), shm, owner=True)
 
     @classmethod
@@ -81,6 +90,7 @@ class BlockPool:
         if not self._owner:
             raise ValueError(f"pool {self.name} was attached, not created, here: its creator unlinks it")
         self._shm.unlink()
+        _created_here.discard(self.name)
 
     def _live_blocks(self) -> torch.Tensor:
         if self.blocks is None:
@@ -104,6 +114,8 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, track=False)
     shm = shared_memory.SharedMemory(name=name)
+    if name in _created_here:
+        return shm
     # Undo the attach-time registration, else this process's tracker unlinks the segment when this
     # process exits and the creator (and every other worker) loses it.
     resource_tracker.unregister(shm._name, "shared_memory")  # _name carries the leading "/"
@@ -111,15 +123,14 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
 
 
 def copy_within(pool: BlockPool, pairs: list[tuple[int, int]]) -> None:
-    """pool.blocks[dst] = pool.blocks[src] for every (src, dst): the copy-on-write copy.
-
-    One place so it can run on kernels.copy_blocks (Triton on CUDA) once that package exists."""
+    """pool.blocks[dst] = pool.blocks[src] for every (src, dst): the copy-on-write copy, on the
+    kernels package's copy_blocks (Triton on CUDA, indexing on CPU)."""
     if not pairs:
         return
     blocks = pool._live_blocks()
     src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=blocks.device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=blocks.device)
-    _copy_blocks_impl()(blocks, src, dst)
+    copy_blocks(blocks, src, dst)
 
 
 def copy_between(src_pool: BlockPool, dst_pool: BlockPool, pairs: list[tuple[int, int]]) -> None:
@@ -131,20 +142,3 @@ def copy_between(src_pool: BlockPool, dst_pool: BlockPool, pairs: list[tuple[int
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_blocks.device)
     dst_blocks[dst] = src_blocks[src].to(dst_blocks.device)
 
-
-def _index_copy(blocks: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    # Advanced indexing on the right makes a copy first, so overlapping src/dst sets stay correct.
-    blocks[dst] = blocks[src]
-
-
-def _copy_blocks_impl():
-    """kernels.copy_blocks when the kernels package provides it, else plain indexing.
-
-    Imported lazily: `kernels` pulls in Triton, which the bookkeeping-only store never needs."""
-    try:
-        from kernels import copy_blocks
-    except ImportError as err:
-        if err.name != "kernels":  # kernels exists but is broken: say so, don't hide it
-            raise
-        return _index_copy
-    return copy_blocks

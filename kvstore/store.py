@@ -266,6 +266,9 @@ class BlockStore:
 
     # ---- queries ---------------------------------------------------------------------------
 
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._table(seq_id).blocks)
 
