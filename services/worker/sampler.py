@@ -1,0 +1,319 @@
+"""The worker's sampler: turns one step's logits into one token per sequence. Pure torch, no I/O.
+
+This module owns the order and arithmetic of logit processing (vLLM's):
+    min_tokens (mask EOS and stop_token_ids) -> repetition penalty (prompt + output tokens)
+    -> frequency and presence penalties (output tokens) -> greedy rows: argmax
+    -> other rows: temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
+Returned logprobs are those of the raw model distribution (log_softmax of the logits before any
+processing), as vLLM v1 returns by default.
+
+Randomness:
+- A row whose params carry a seed draws its noise from a generator seeded by
+  `derive_row_seed(seed, seq_index, len(output_token_ids))`: stateless, so the same row gives the
+  same token whatever else is in the batch and after preemption with recompute.
+- Rows without a seed share one generator per call, itself seeded from `generator` (a CPU
+  torch.Generator the caller owns, e.g. one per worker); when `generator` is None a module-level
+  generator seeded from OS entropy on first use stands in.
+- Sampling is the exponential race: token = argmax(probs / E) with E ~ Exp(1) i.i.d. per token,
+  which picks token i with probability probs[i]. E is drawn as -log(U), U ~ Uniform[0, 1): the
+  same law as `exponential_`, about 6x faster on CPU, and never 0 (so no 0/0 on masked tokens).
+
+Top-k keeps every token whose logit is at least the k-th largest (ties at the boundary are all kept,
+as in vLLM). Top-p keeps the smallest prefix of the sorted distribution whose mass reaches p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_default_source: torch.Generator | None = None
+
+
+@dataclass
+class SamplingRow:
+    """One sequence in this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seq_index: int = 0  # which of the request's n samples: seeded samples must differ
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each sampled token
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row: top-k (id, logprob) if asked, else None
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> log_softmax [S, V] float32 (the raw model distribution)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row's raw distribution, best first.
+
+    logits [S, V] -> (values [S, k] float32 log-probabilities, ids [S, k] int64).
+    For beam search, which needs each beam's top 2*beam_width candidates.
+    """
+    vocab = logits.shape[-1]
+    if not 0 <= k <= vocab:
+        raise ValueError(f"k must be in [0, {vocab}], got {k}")
+    logits = logits.float()
+    # topk of the logits is topk of log_softmax (a per-row shift): no [S, V] temporary needed.
+    values, ids = torch.topk(logits, k, dim=-1)  # [S, k]
+    return values - torch.logsumexp(logits, dim=-1, keepdim=True), ids
+
+
+def derive_row_seed(seed: int, seq_index: int, step: int) -> int:
+    """A 63-bit generator seed from (request seed, sample index, output length): splitmix64 chained.
+
+    Mixing (rather than e.g. seed + step) keeps nearby inputs from giving correlated streams, and
+    keeps (seed, index=1, step=0) apart from (seed, index=0, step=1).
+    """
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (seq_index & _MASK64))
+    h = _splitmix64(h ^ (step & _MASK64))
+    return h >> 1
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None,
+           generator: torch.Generator | None = None) -> SamplerOutput:
+    """Sample one token per row. logits [S, V] (one row per entry of `rows`) are not modified.
+
+    `generator`: CPU generator that seeds this call's randomness for rows without a seed (see the
+    module docstring); seeded rows ignore it.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+    raw = logits.float()  # [S, V]
+    num_rows, vocab = raw.shape
+    device = raw.device
+    processed = raw.clone()  # [S, V]
+    _apply_min_tokens(processed, rows, eos_token_id)
+    _apply_repetition_penalty(processed, rows)
+    _apply_frequency_presence_penalties(processed, rows)
+
+    token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [S]
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    randoms = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if greedy:
+        # torch.argmax returns the first maximal index: ties go to the lowest token id.
+        token_ids[_index(greedy, device)] = _take_rows(processed, greedy).argmax(dim=-1)
+    if randoms:
+        token_ids[_index(randoms, device)] = _sample_random(
+            _take_rows(processed, randoms), [rows[i] for i in randoms], generator)
+
+    # Raw logprobs: logit - logsumexp equals log_softmax without building an [S, V] tensor.
+    lse = torch.logsumexp(raw, dim=-1)  # [S]
+    sampled_logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - lse  # [S]
+    tops: list[list[tuple[int, float]] | None] = [None] * num_rows
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    max_k = min(max((rows[i].params.logprobs for i in asking), default=0), vocab)
+    if asking:
+        values, ids = torch.topk(_take_rows(raw, asking), max_k, dim=-1)  # [A, max_k], best first
+        values = (values - _take_rows(lse[:, None], asking)).tolist()
+        ids = ids.tolist()
+        for j, i in enumerate(asking):
+            k = rows[i].params.logprobs
+            tops[i] = list(zip(ids[j][:k], values[j][:k]))
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(),
+                         top_logprobs=tops)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:
+    """Forbid EOS and the stop tokens while a row has fewer than min_tokens outputs (in place)."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) >= r.params.min_tokens:
+            continue
+        banned = set(r.params.stop_token_ids)
+        if eos_token_id is not None:
+            banned.add(eos_token_id)
+        row_idx.extend([i] * len(banned))
+        tok_idx.extend(banned)
+    if row_idx:
+        logits[_index(row_idx, logits.device), _index(tok_idx, logits.device)] = float("-inf")
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Divide positive / multiply negative logits of every token seen in prompt or output (in place)."""
+    chosen = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not chosen:
+        return
+    device = logits.device
+    seen = _presence_mask(
+        [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen], logits.shape[1], device)  # [R, V]
+    penalty = _param_column([rows[i].params.repetition_penalty for i in chosen], device)  # [R, 1]
+    sub = _take_rows(logits, chosen)  # [R, V]
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    _put_rows(logits, chosen, torch.where(seen, penalised, sub))
+
+
+def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """logit -= frequency * count + presence * (count > 0), counts over output tokens (in place)."""
+    chosen = [i for i, r in enumerate(rows)
+              if (r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0)
+              and r.output_token_ids]
+    if not chosen:
+        return
+    device = logits.device
+    counts = _token_counts([rows[i].output_token_ids for i in chosen], logits.shape[1], device)  # [R, V]
+    freq = _param_column([rows[i].params.frequency_penalty for i in chosen], device)  # [R, 1]
+    pres = _param_column([rows[i].params.presence_penalty for i in chosen], device)  # [R, 1]
+    sub = _take_rows(logits, chosen)  # [R, V]
+    sub -= freq * counts + pres * (counts > 0).float()
+    _put_rows(logits, chosen, sub)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow],
+                   generator: torch.Generator | None) -> torch.Tensor:
+    """logits [R, V] (penalised; modified in place) -> sampled ids [R]."""
+    logits.div_(_param_column([r.params.temperature for r in rows], logits.device))
+    _apply_top_k_top_p(logits, rows)
+    _apply_min_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    noise = _exponential_noise(rows, logits.shape[1], logits.device, generator)  # [R, V]
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask (to -inf, in place) tokens outside each row's top-k and then its top-p nucleus.
+
+    Each row's filter reduces to a cutoff logit (the smallest one kept); the row is then masked
+    below it, so no unsorting scatter is needed, and ties at the cutoff are all kept.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    chosen = [i for i, r in enumerate(rows) if ks[i] < vocab or r.params.top_p < 1.0]
+    if not chosen:
+        return
+    sub = _take_rows(logits, chosen)  # [C, V]
+    k = torch.tensor([ks[i] for i in chosen], dtype=torch.long, device=device)[:, None]  # [C, 1]
+    width = int(k.max())
+    # Rows with a top-k only need their k best logits sorted: topk is far cheaper than a full sort.
+    if width < vocab:
+        ranked = torch.topk(sub, width, dim=-1).values  # [C, width], best first
+    else:
+        ranked = torch.sort(sub, dim=-1, descending=True).values  # [C, V]
+    cutoff = ranked.gather(1, k - 1)  # [C, 1] the k-th largest logit
+    top_p = [rows[i].params.top_p for i in chosen]
+    if any(p < 1.0 for p in top_p):
+        # top-p acts on the top-k distribution; p = 1 rows get an infinite p so rounding never trims them.
+        p = _param_column([p if p < 1.0 else float("inf") for p in top_p], device)  # [C, 1]
+        probs = torch.softmax(ranked.masked_fill(ranked < cutoff, float("-inf")), dim=-1)  # [C, width]
+        # Exclusive prefix mass, built from one cumsum so it never decreases along the row.
+        mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
+        num_kept = (mass_before < p).sum(dim=-1, keepdim=True)  # [C, 1] >= 1: mass_before[:, 0] = 0 < p
+        cutoff = torch.maximum(cutoff, ranked.gather(1, num_kept - 1))
+    sub.masked_fill_(sub < cutoff, float("-inf"))
+    _put_rows(logits, chosen, sub)
+
+
+def _apply_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask (in place) tokens whose probability is below min_p times the row's top probability."""
+    chosen = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
+    if not chosen:
+        return
+    min_p = _param_column([rows[i].params.min_p for i in chosen], logits.device)  # [M, 1]
+    sub = _take_rows(logits, chosen)  # [M, V]
+    probs = torch.softmax(sub, dim=-1)
+    sub.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    _put_rows(logits, chosen, sub)
+
+
+def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device,
+                       generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise [R, V]: seeded rows from their own stateless generator, the rest from one per call."""
+    uniform = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)  # [R, V]
+    unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+    if unseeded:
+        source = generator if generator is not None else _default_generator()
+        call_gen = torch.Generator(device=device)
+        call_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=source)))
+        if len(unseeded) == len(rows):
+            uniform.uniform_(generator=call_gen)
+        else:
+            draws = torch.rand(len(unseeded), vocab, generator=call_gen, device=device)
+            uniform[_index(unseeded, device)] = draws
+    for i, r in enumerate(rows):
+        if r.params.seed is None:
+            continue
+        row_gen = torch.Generator(device=device)
+        row_gen.manual_seed(derive_row_seed(r.params.seed, r.seq_index, len(r.output_token_ids)))
+        # A standalone [V] draw: its values cannot depend on the row's position in the batch.
+        uniform[i] = torch.rand(vocab, generator=row_gen, device=device)
+    # U in [0, 1) gives -log(U) in (0, inf]: never 0, so masked tokens score 0 / E = 0, not NaN.
+    return uniform.log_().neg_()
+
+
+def _presence_mask(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] bool: True where the token occurs in that row's list."""
+    mask = torch.zeros(len(token_lists), vocab, dtype=torch.bool, device=device)
+    rows, toks = _flatten(token_lists, device)
+    mask[rows, toks] = True
+    return mask
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32: occurrences of each token in that row's list."""
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    rows, toks = _flatten(token_lists, device)
+    counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    toks = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=device)
+    return rows, toks
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _param_column(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row parameters as a float32 column [R, 1] that broadcasts over the vocabulary."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _take_rows(t: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+    """The chosen rows of t: t itself when all are chosen (the common case), else a copy."""
+    if len(chosen) == t.shape[0]:
+        return t
+    return t[_index(chosen, t.device)]
+
+
+def _put_rows(t: torch.Tensor, chosen: list[int], sub: torch.Tensor) -> None:
+    """Write rows computed from _take_rows(t, chosen) back into t (a no-op when sub is t itself)."""
+    if sub is t:
+        return
+    if len(chosen) == t.shape[0]:
+        t.copy_(sub)
+    else:
+        t[_index(chosen, t.device)] = sub
+
+
+def _default_generator() -> torch.Generator:
+    global _default_source
+    if _default_source is None:
+        _default_source = torch.Generator()
+        _default_source.seed()  # OS entropy, taken on first use rather than at import
+    return _default_source
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
