@@ -5,17 +5,21 @@ run in separate processes in the served stack; here they are plain objects calle
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+import time
+from dataclasses import dataclass
 
 import torch
 
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.store import BlockStore
 from services.engine_config import ConfigError, EngineConfig
-from services.greedy import greedy_generate
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from services.sampling_params import SamplingParams
 from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.worker_core import WorkerCore
 
 
 class PromptTooLongError(ValueError):
@@ -23,16 +27,31 @@ class PromptTooLongError(ValueError):
 
 
 @dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
-    extra: dict = field(default_factory=dict)
+    cumulative_logprob: float
+    logprobs: list[float]
+    top_logprobs: list | None
+    finish_reason: str | None
 
     def to_dict(self) -> dict:
-        return {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                "text": self.text, "finish_reason": self.finish_reason, **self.extra}
+        return dict(self.__dict__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    error: str | None = None
+    num_preemptions: int = 0
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+                "outputs": [o.to_dict() for o in self.outputs], "error": self.error,
+                "num_preemptions": self.num_preemptions}
 
 
 def load_tokenizer(model_dir: str):
@@ -64,6 +83,12 @@ class Engine:
                                 device_pools=[self.device_pool], host_pools=[self.host_pool])
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
                                   self.dtype, config.device)
+        self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
+            eos_token_ids=spec.eos_token_ids), self.store, clock=time.monotonic)
+        self._request_ids = itertools.count()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
@@ -74,16 +99,49 @@ class Engine:
                                      f"{self.max_model_len} tokens including at least one generated")
         return ids
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestOutput]:
-        params.validate()
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        self.scheduler.add_request(request_id, self.tokenize(prompt), params)
+        return request_id
+
+    def step(self) -> list[Request]:
+        """One iteration: schedule, run the model, apply the results -> requests that finished."""
+        scheduled = self.scheduler.schedule()
+        results = self.worker.execute(scheduled.steps, scheduled.samples) if scheduled.steps else []
+        return self.scheduler.update(scheduled, results)
+
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        A bad request (sampling params out of range, prompt too long) raises before any is queued."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        for p in plist:
+            p.validate()
         ids = [self.tokenize(p) for p in prompts]
-        outs = greedy_generate(self.runner, self.store, ids, params.max_tokens,
-                               () if params.ignore_eos else self.spec.eos_token_ids, self.max_model_len)
-        return [RequestOutput(p, o, self.tokenizer.decode(o, skip_special_tokens=params.skip_special_tokens))
-                for p, o in zip(ids, outs)]
+        order = [self.add_request(i, p) for i, p in zip(ids, plist)]
+        while self.scheduler.has_unfinished():
+            self.step()
+        return [self.output_of(self.scheduler.pop_finished(rid)) for rid in order]
+
+    def output_of(self, req: Request) -> RequestOutput:
+        p = req.params
+        seqs = req.finished
+        if req.beam is None:
+            seqs = sorted(seqs, key=lambda s: s.seq_index)
+        outs = [CompletionOutput(i, s.output_token_ids,
+                                 self.tokenizer.decode(s.output_token_ids, skip_special_tokens=p.skip_special_tokens),
+                                 s.cum_logprob, s.logprobs, s.top_logprobs if p.logprobs is not None else None,
+                                 s.finish_reason)
+                for i, s in enumerate(seqs[:p.n])]
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.error, req.num_preemptions)
 
     def stats(self) -> dict:
-        return self.store.stats()
+        """Block-store counts plus the scheduler's (preemptions and why, swaps, recomputed tokens)."""
+        return {**self.store.stats(), **dict(self.scheduler.stats)}
 
     def close(self) -> None:
         self.runner = None

@@ -52,6 +52,9 @@ class EngineConfig:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("--max-num-batched-tokens must be at least --max-num-seqs "
+                              f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         return self

@@ -47,4 +47,4 @@ def test_greedy_matches_transformers(tiny_model_dirs, arch, block_size):
         assert stats["device_blocks_used"] == 0
     expected = hf_greedy(model_dir, ids, MAX_NEW)
     for prompt, out, exp in zip(PROMPTS, outs, expected):
-        assert out.token_ids == exp, f"{arch}: mismatch for prompt {prompt!r}"
+        assert out.outputs[0].token_ids == exp, f"{arch}: mismatch for prompt {prompt!r}"

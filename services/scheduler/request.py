@@ -1,0 +1,72 @@
+"""Request and sequence state: owned by the scheduler alone.
+
+A Request is what a client asked for (one prompt, its sampling params); it holds one or more
+Sequences: n parallel samples or the live beams of a beam search. Preemption, admission and
+stopping act on whole requests.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # not yet admitted, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"      # preempted by swap: its blocks are in the host pool
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    seq_index: int = 0                     # which of the n samples (seeded samples differ by it)
+    num_computed: int = 0                  # tokens whose K/V is in the cache
+    cum_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_token: int | None = None          # the EOS / stop token id that ended it, if any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet computed: 1 in decode, more in (re)prefill."""
+        return self.num_tokens - self.num_computed
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def fork(self, seq_id: int, seq_index: int) -> "Sequence":
+        return Sequence(seq_id, self.prompt_token_ids, list(self.output_token_ids), seq_index,
+                        self.num_computed, self.cum_logprob, list(self.logprobs),
+                        list(self.top_logprobs))
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)       # live sequences
+    finished: list[Sequence] = field(default_factory=list)   # done sequences, in finishing order
+    status: RequestStatus = RequestStatus.WAITING
+    beam: object | None = None                               # BeamSearch when beam_width > 1
+    forked: bool = False                                     # n > 1: samples forked from the prompt
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    cache_salt: tuple = ()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,416 @@
+"""Scheduler core: iteration-level scheduling over the paged KV cache (no I/O, no wall clock).
+
+Owns request and sequence state: the waiting, running and swapped queues, lengths, sampling
+params, beam groups and stop checks on token ids. It never touches a block itself: every block
+operation goes through the block store (in-process here, the kvstore service when served), which
+answers with results, never exceptions, when memory is short.
+
+Each step (`schedule`):
+1. running requests in FCFS order get their next token (decode) or prefill chunk; when the store
+   cannot grow them, the newest running request is preempted (all its sequences at once) by swap
+   or recompute, and the scheduler asks again;
+2. if nobody was preempted, swapped requests come back, oldest first;
+3. if nobody was preempted and nothing is left swapped, waiting requests are admitted FCFS,
+   reusing cached prefixes, within the token budget and the sequence cap; long prompts are
+   prefilled in chunks.
+After the worker ran the step, `update` appends the sampled tokens, forks parallel samples and
+beams, checks stops and frees what finished.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from services.sampling_params import SamplingParams
+from services.scheduler.beam_search import BeamSearch
+from services.scheduler.request import Request, RequestStatus, Sequence
+from services.worker.model_runner import SeqStep
+from services.worker.worker_core import SampleRequest, SampleResult
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"          # swap | recompute | auto
+    auto_swap_min_tokens: int = 256             # auto: recompute shorter single sequences, swap longer
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ScheduledStep:
+    steps: list[SeqStep] = field(default_factory=list)
+    samples: list[list[SampleRequest]] = field(default_factory=list)
+    computed: list[tuple[Sequence, int]] = field(default_factory=list)   # (seq, tokens computed)
+    requests: list[Request] = field(default_factory=list)               # requests with work this step
+    preempted: list[Request] = field(default_factory=list)
+    pending_forks: dict[int, list[Sequence]] = field(default_factory=dict)   # parent seq id -> n-1 samples
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.steps
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.computed)
+
+
+class SchedulerError(ValueError):
+    """A request that can never be served (e.g. longer than the whole KV pool)."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, store, clock: Callable[[], float]):
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.stats = Counter()
+        self._capacity_tokens = store.stats()["device_blocks_total"] * store.block_size
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        params.validate()
+        if request_id in self.requests:
+            raise SchedulerError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise SchedulerError("the prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise SchedulerError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context is "
+                                 f"{self.config.max_model_len} including at least one generated token")
+        if len(prompt_token_ids) + 1 > self._capacity_tokens:
+            raise SchedulerError(f"the prompt needs {len(prompt_token_ids) + 1} KV slots; "
+                                 f"the whole device pool has {self._capacity_tokens}")
+        req = Request(request_id, list(prompt_token_ids), params,
+                      self.clock() if arrival_time is None else arrival_time,
+                      cache_salt=(params.cache_salt,) if params.cache_salt else ())
+        req.seqs = [Sequence(next(self._seq_ids), req.prompt_token_ids)]
+        if params.use_beam_search:
+            req.beam = BeamSearch(beam_width=params.beam_width, length_penalty=params.length_penalty,
+                                  early_stopping=params.early_stopping,
+                                  max_new_tokens=min(params.max_tokens,
+                                                     self.config.max_model_len - len(prompt_token_ids)),
+                                  prompt_len=len(prompt_token_ids),
+                                  eos_token_ids=() if params.ignore_eos else self.config.eos_token_ids,
+                                  num_return=params.n, new_beam_id=lambda: next(self._seq_ids))
+            req.beam.start(req.seqs[0].seq_id)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        for seq in req.seqs:
+            seq.finish_reason = "abort"
+        self._finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        out = ScheduledStep()
+        budget = [self.config.max_num_batched_tokens]
+        running: list[Request] = list(self.running)
+        kept: list[Request] = []
+        while running:
+            req = running.pop(0)
+            while not self._can_grow(req):
+                victim = running.pop() if running else req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._schedule_request(req, out, budget)
+                kept.append(req)
+        self.running = kept
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        # Oldest first, so that "newest first" preemption picks by arrival, not by re-admission.
+        self.running.sort(key=lambda r: r.arrival_time)
+        return out
+
+    def _num_live_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.running)
+
+    def _to_append(self, seq: Sequence) -> list[int]:
+        """Tokens the scheduler knows that the store has no slot for yet (the last sampled one)."""
+        return seq.all_token_ids()[self.store.num_tokens(seq.seq_id):]
+
+    def _can_grow(self, req: Request) -> bool:
+        grow = [s.seq_id for s in req.seqs if self._to_append(s)]
+        return not grow or self.store.can_append(grow)
+
+    def _schedule_request(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
+        for seq in req.seqs:
+            new = self._to_append(seq)
+            if new:
+                result = self.store.append_slots(seq.seq_id, new)
+                if not result.ok:   # can_grow said yes: a mismatch is a bug, not a shortage
+                    raise RuntimeError(f"append_slots failed after can_append: {result.reason}")
+                self.stats["cow_copies"] += len(result.copies)
+        self._add_compute(req, out, budget)
+
+    def _add_compute(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
+        """Give the request's sequences this step's tokens and say which want a sample.
+
+        Sequences of one request sample together (a beam step needs every beam's candidates), so
+        a multi-sequence request being re-prefilled holds back each sequence's last token until
+        all of them can finish in the same step."""
+        pending = [s.num_pending for s in req.seqs]
+        total = sum(pending)
+        if total == 0:
+            return
+        together = total <= budget[0]
+        for seq, n in zip(req.seqs, pending):
+            if n == 0:
+                continue
+            take = n if together else min(n - (1 if len(req.seqs) > 1 else 0), budget[0])
+            if take <= 0:
+                continue
+            budget[0] -= take
+            finishes = take == n
+            start = seq.num_computed
+            step = SeqStep(seq.seq_id, seq.all_token_ids()[start:start + take], start,
+                           self.store.block_table(seq.seq_id))
+            out.steps.append(step)
+            out.samples.append(self._sample_requests(req, seq, out) if finishes else [])
+            out.computed.append((seq, take))
+        out.requests.append(req)
+
+    def _sample_requests(self, req: Request, seq: Sequence, out: ScheduledStep) -> list[SampleRequest]:
+        p = req.params
+        if req.beam is not None:
+            return [SampleRequest(seq.seq_id, p, seq.prompt_token_ids, seq.output_token_ids, 0,
+                                  beam_candidates=req.beam.candidates_per_beam)]
+        first = [SampleRequest(seq.seq_id, p, seq.prompt_token_ids, seq.output_token_ids, seq.seq_index)]
+        if p.n > 1 and not req.forked:
+            # The n samples share the prompt's blocks: forked after this step computes the prompt.
+            children = [Sequence(next(self._seq_ids), req.prompt_token_ids, seq_index=i) for i in range(1, p.n)]
+            out.pending_forks[seq.seq_id] = children
+            first += [SampleRequest(c.seq_id, p, c.prompt_token_ids, c.output_token_ids, c.seq_index)
+                      for c in children]
+        return first
+
+    def _schedule_swapped(self, out: ScheduledStep, budget: list[int]) -> None:
+        while self.swapped and budget[0] > 0:
+            req = self.swapped[0]
+            ids = [s.seq_id for s in req.seqs]
+            if self._num_live_seqs() + len(ids) > self.config.max_num_seqs:
+                break
+            # Room for the blocks coming back plus one new block per sequence for its next token.
+            if not self.store.can_swap_in(ids) or not self._room_after_swap_in(ids):
+                if not self.running:
+                    # Nothing else holds device memory: it can never come back.
+                    self.swapped.popleft()
+                    req.error = "the request outgrew the KV cache even with nothing else running"
+                    self._finish(req, "abort")
+                    continue
+                break
+            result = self.store.swap_in(ids)
+            if not result.ok:
+                break
+            self.swapped.popleft()
+            self.stats["swap_ins"] += 1
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule_request(req, out, budget)
+
+    def _room_after_swap_in(self, ids: list[int]) -> bool:
+        need = len({b for i in ids for b in self.store.block_table(i)})
+        return self.store.num_free_device_blocks >= need + len(ids)
+
+    def _schedule_waiting(self, out: ScheduledStep, budget: list[int]) -> None:
+        while self.waiting and budget[0] > 0:
+            req = self.waiting[0]
+            if self._num_live_seqs() + max(len(req.seqs), req.params.n, req.params.beam_width) \
+                    > self.config.max_num_seqs:
+                break
+            if not self._admit(req):
+                if not self.running and not self.swapped:
+                    # Nothing else holds memory: this request can never fit.
+                    self.waiting.popleft()
+                    req.error = "the request does not fit in the KV cache even with nothing else running"
+                    self._finish(req, "abort")
+                    continue
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_compute(req, out, budget)
+
+    def _admit(self, req: Request) -> bool:
+        """Allocate every live sequence of the request (prompt, plus output after a recompute)."""
+        done: list[Sequence] = []
+        for seq in req.seqs:
+            result = self.store.allocate(seq.seq_id, seq.all_token_ids(), req.cache_salt)
+            if not result.ok:
+                for d in done:
+                    self.store.free(d.seq_id)
+                    d.num_computed = 0
+                return False
+            seq.num_computed = result.num_cached_tokens
+            done.append(seq)
+        return True
+
+    # ---- preemption ---------------------------------------------------------------------
+
+    def _preemption_mode(self, req: Request) -> tuple[str, str]:
+        ids = [s.seq_id for s in req.seqs]
+        fits_host = self.store.can_swap_out(ids)
+        mode = self.config.preemption_mode
+        if mode == "swap":
+            return ("swap", "swap mode") if fits_host else ("recompute", "swap mode, host pool full")
+        if mode == "recompute":
+            return "recompute", "recompute mode"
+        if not fits_host:
+            return "recompute", "auto: host pool full"
+        if len(req.seqs) > 1:
+            return "swap", "auto: multi-sequence request keeps its shared blocks"
+        if req.seqs[0].num_tokens >= self.config.auto_swap_min_tokens:
+            return "swap", "auto: long sequence is cheaper to copy than to recompute"
+        return "recompute", "auto: short sequence is cheaper to recompute"
+
+    def _preempt(self, req: Request, out: ScheduledStep) -> None:
+        mode, why = self._preemption_mode(req)
+        self.stats["preemptions"] += 1
+        self.stats[f"preempted_by_{mode}"] += 1
+        self.stats[f"preemption_reason[{why}]"] += 1
+        req.num_preemptions += 1
+        out.preempted.append(req)
+        ids = [s.seq_id for s in req.seqs]
+        if mode == "swap":
+            result = self.store.swap_out(ids)
+            if result.ok:
+                self.stats["swap_outs"] += 1
+                req.status = RequestStatus.SWAPPED
+                self.swapped.append(req)
+                return
+        for seq in req.seqs:
+            self.stats["recomputed_tokens"] += seq.num_computed
+            self.store.free(seq.seq_id)
+            seq.num_computed = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)  # FCFS: the preempted request is older than any waiting one
+
+    # ---- after the step -------------------------------------------------------------------
+
+    def update(self, scheduled: ScheduledStep, results: list[SampleResult]) -> list[Request]:
+        """Apply the worker's results; return the requests that finished in this step."""
+        now = self.clock()
+        for seq, n in scheduled.computed:
+            if seq.seq_id in self.store:   # not aborted meanwhile
+                seq.num_computed += n
+                self.store.mark_computed(seq.seq_id, seq.num_computed)
+        by_seq = {r.seq_id: r for r in results}
+        finished: list[Request] = []
+        for req in scheduled.requests:
+            if req.is_finished:
+                continue
+            wanted = [s for s in req.seqs if s.seq_id in by_seq]
+            for parent_id, children in scheduled.pending_forks.items():
+                if any(s.seq_id == parent_id for s in wanted):
+                    for child in children:
+                        self.store.fork(parent_id, child.seq_id)
+                        child.num_computed = req.seqs[0].num_computed
+                        req.seqs.append(child)
+                        wanted.append(child)
+                    req.forked = True
+            if not wanted:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.beam is not None:
+                self._update_beams(req, by_seq)
+            else:
+                for seq in wanted:
+                    self._append_token(req, seq, by_seq[seq.seq_id])
+            if not req.seqs:
+                self._finish(req, None)
+            if req.is_finished:
+                finished.append(req)
+        return finished
+
+    def _append_token(self, req: Request, seq: Sequence, r: SampleResult) -> None:
+        p = req.params
+        seq.output_token_ids.append(r.token_id)
+        seq.cum_logprob += r.logprob
+        seq.logprobs.append(r.logprob)
+        if p.logprobs is not None:
+            seq.top_logprobs.append(r.top_logprobs)
+        reason = None
+        if len(seq.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and r.token_id in self.config.eos_token_ids:
+                reason, seq.stop_token = "stop", r.token_id
+            elif r.token_id in p.stop_token_ids:
+                reason, seq.stop_token = "stop", r.token_id
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens
+                               or seq.num_tokens >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.store.free(seq.seq_id)
+            req.seqs.remove(seq)
+            req.finished.append(seq)
+
+    def _update_beams(self, req: Request, by_seq: dict[int, SampleResult]) -> None:
+        beam: BeamSearch = req.beam
+        step = beam.step({s.seq_id: by_seq[s.seq_id].candidates for s in req.seqs})
+        old = {s.seq_id: s for s in req.seqs}
+        new_seqs = []
+        for new_id, parent_id, token, cum in step.running:
+            parent = old[parent_id]
+            if new_id != parent_id:
+                self.store.fork(parent_id, new_id)
+                seq = parent.fork(new_id, 0)
+                seq.output_token_ids = list(parent.output_token_ids)
+            else:
+                seq = Sequence(parent.seq_id, parent.prompt_token_ids, list(parent.output_token_ids),
+                               0, parent.num_computed)
+            seq.output_token_ids.append(token)
+            seq.cum_logprob = cum
+            new_seqs.append(seq)
+        for seq_id in step.freed:
+            self.store.free(seq_id)
+        req.seqs = new_seqs
+        if step.done:
+            for seq in req.seqs:
+                self.store.free(seq.seq_id)
+            req.seqs = []
+            for tokens, score in beam.results():
+                s = Sequence(-1, req.prompt_token_ids, list(tokens))
+                s.cum_logprob = score
+                stopped = bool(tokens) and tokens[-1] in self.config.eos_token_ids and not req.params.ignore_eos
+                s.finish_reason = "stop" if stopped else "length"
+                req.finished.append(s)
+
+    def _finish(self, req: Request, reason: str | None) -> None:
+        for seq in list(req.seqs):
+            if seq.seq_id in self.store:
+                self.store.free(seq.seq_id)
+            seq.finish_reason = seq.finish_reason or reason
+            req.finished.append(seq)
+        req.seqs = []
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_time = self.clock()

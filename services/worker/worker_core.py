@@ -1,0 +1,73 @@
+"""The worker's I/O-free core: run a scheduled step on the model and sample from its logits.
+
+Owns nothing but what ModelRunner owns (weights, its views of the device pool) and the sampler's
+generator. The worker process and the offline engine both call `execute`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.sampling_params import SamplingParams
+from services.worker.model_runner import ModelRunner, SeqStep
+from services.worker.sampler import SamplingRow, sample, top_logprobs
+
+
+@dataclass
+class SampleRequest:
+    """One token to draw from a step's logits row (a row can serve several: the n samples of a prompt)."""
+    seq_id: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seq_index: int = 0
+    beam_candidates: int = 0     # > 0: return this many top raw logprobs instead of sampling
+
+
+@dataclass
+class SampleResult:
+    seq_id: int
+    token_id: int = -1
+    logprob: float = 0.0
+    top_logprobs: list[tuple[int, float]] | None = None
+    candidates: list[tuple[int, float]] = field(default_factory=list)   # beam search
+
+
+class WorkerCore:
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], seed: int = 0):
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]]) -> list[SampleResult]:
+        """samples[i] are the draws wanted from steps[i]'s last logits (empty: none wanted)."""
+        for step, wanted in zip(steps, samples):
+            step.wants_logits = bool(wanted)
+        logits = self.runner.execute(steps)                       # [R, vocab], one row per wanting step
+        rows = [i for i, wanted in enumerate(samples) if wanted for _ in wanted]
+        reqs = [r for wanted in samples for r in wanted]
+        if not reqs:
+            return []
+        row_of = {}
+        for n, i in enumerate(i for i, wanted in enumerate(samples) if wanted):
+            row_of[i] = n
+        expanded = logits[torch.tensor([row_of[i] for i in rows], dtype=torch.long)]   # [N, vocab]
+        results = [SampleResult(r.seq_id) for r in reqs]
+        beam = [j for j, r in enumerate(reqs) if r.beam_candidates]
+        draw = [j for j, r in enumerate(reqs) if not r.beam_candidates]
+        if beam:
+            k = max(reqs[j].beam_candidates for j in beam)
+            values, ids = top_logprobs(expanded[beam], k)
+            for j, vals, toks in zip(beam, values.tolist(), ids.tolist()):
+                n = reqs[j].beam_candidates
+                results[j].candidates = list(zip(toks[:n], vals[:n]))
+        if draw:
+            sampling_rows = [SamplingRow(reqs[j].params, reqs[j].prompt_token_ids,
+                                         reqs[j].output_token_ids, reqs[j].seq_index) for j in draw]
+            out = sample(expanded[draw], sampling_rows, self.eos_token_ids, self.generator)
+            for n, j in enumerate(draw):
+                results[j].token_id = out.token_ids[n]
+                results[j].logprob = out.logprobs[n]
+                results[j].top_logprobs = out.top_logprobs[n]
+        return results
