@@ -31,17 +31,32 @@ GARBAGE = 50.0  # scale of the junk left in unused cache slots: any read of it s
 
 @pytest.fixture(scope="module")
 def triton_ops():
-    """kernels.triton_ops, decorated for the interpreter on a CPU-only machine.
+    """kernels.triton_ops with every Triton function it reaches decorated for the interpreter.
 
-    Another test module may have imported it before TRITON_INTERPRET was set; its kernels would
-    then need a GPU driver, so the module is reloaded (which re-decorates them) in that case.
+    @triton.jit picks interpreted or compiled when it decorates. If some earlier import (another
+    test module; importing a transformers Llama model imports triton) decorated triton's own
+    library (tl.max, tl.sum, ...) or our kernels before TRITON_INTERPRET was set, they would need a
+    GPU driver: re-wrap triton's library functions for this module's tests, then reload our kernels.
     """
     ops = importlib.import_module("kernels.triton_ops")
-    if not torch.cuda.is_available():
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(ops._paged_decode_kernel, InterpretedFunction):
-            ops = importlib.reload(ops)
-    return ops
+    if torch.cuda.is_available():
+        yield ops
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    replaced = []
+    for module in (tl, tl.standard, tl.math):
+        for name, fn in list(vars(module).items()):
+            if isinstance(fn, JITFunction):
+                replaced.append((module, name, fn))
+                setattr(module, name, InterpretedFunction(fn.fn))
+    if not isinstance(ops._paged_decode_kernel, InterpretedFunction):
+        ops = importlib.reload(ops)
+    yield ops
+    for module, name, fn in replaced:
+        setattr(module, name, fn)
 
 
 # ----------------------------------------------------------------------------------------------
