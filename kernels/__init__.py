@@ -39,7 +39,7 @@ def _backend(tensor: torch.Tensor, impl: str | None) -> ModuleType:
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    impl: str | None = None) -> None:
-    """key, value: [T, Hkv, D] -> their slots in k_cache, v_cache [N, B, Hkv, D]; slot < 0 skipped."""
+    """key, value: [T, Hkv, D] -> their slots in k_cache, v_cache [N, B, Hkv, D]; slot < 0 skips."""
     _backend(key, impl).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 

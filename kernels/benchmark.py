@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
-                        help="default: float16 on CUDA, float32 on CPU (half is ~100x slower there)")
+                        help="default: float16 on CUDA, float32 on CPU (where half is ~100x "
+                             "slower)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed samples per cell (default: 50 on CUDA, 7 on CPU)")
     parser.add_argument("--threads", type=int, default=None,

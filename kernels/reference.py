@@ -66,7 +66,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     (its causal limit); kv_len: [S] number of valid keys. Returns [S, Q, Hq, D] f32.
     """
     kv_pos = torch.arange(k.shape[1], device=k.device)  # [L]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len[:, None, None])
+    mask = ((kv_pos[None, None, :] <= q_pos[:, :, None])
+            & (kv_pos[None, None, :] < kv_len[:, None, None]))  # [S, Q, L]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2])  # [S, Hq, Q, D]
