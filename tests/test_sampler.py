@@ -277,3 +277,37 @@ def test_filters_apply_only_to_their_own_rows():
     assert seen[1] == {0}
     assert seen[2] == {0, 1, 2, 3}
     assert seen[3] == {1}  # log(0.4) * 10 drops token 0 below the rest
+
+
+def _reference_keep(logits_row, top_k, top_p):
+    """Tokens that top-k then top-p keep, computed one row at a time in float64 on a full sort."""
+    order = torch.argsort(logits_row, descending=True, stable=True)
+    ranked = logits_row[order].double()
+    if 0 < top_k < len(ranked):
+        ranked[top_k:] = float("-inf")
+    probs = torch.softmax(ranked, dim=0)
+    mass_before = torch.cumsum(probs, dim=0) - probs
+    keep = torch.zeros(len(ranked), dtype=torch.bool)
+    keep[order[(mass_before < top_p) & torch.isfinite(ranked)]] = True
+    return keep
+
+
+def test_top_k_top_p_masks_match_a_per_row_full_sort():
+    # V > the sampler's probe width (1024), so a flat top-p row must fall back to a full sort
+    # while a peaked one finds its nucleus among the best tokens.
+    from services.worker.sampler import _apply_top_k_top_p
+
+    vocab = 3000
+    cases = [(0.5, 0, 0.9), (4.0, 0, 0.9), (4.0, 50, 0.8), (1.0, 2000, 0.95), (2.0, 10, 1.0),
+             (2.0, 0, 1.0), (0.5, 0, 0.3), (3.0, 1, 0.5)]  # (logit scale, top_k, top_p)
+    logits = torch.cat([torch.randn(1, vocab, generator=gen(i)) * scale
+                        for i, (scale, _, _) in enumerate(cases)])  # [8, V]
+    rows = [row(top_k=k, top_p=p) for _, k, p in cases]
+    processed = logits.clone()
+    _apply_top_k_top_p(processed, rows)
+    for i, (_, k, p) in enumerate(cases):
+        expected = _reference_keep(logits[i], k, p)
+        assert torch.equal(torch.isfinite(processed[i]), expected), f"case {cases[i]}"
+        assert torch.equal(processed[i][expected], logits[i][expected])  # kept logits untouched
+    assert _reference_keep(logits[0], 0, 0.9).sum() > 1024  # the fallback path was taken
+    assert _reference_keep(logits[1], 0, 0.9).sum() < 1024  # and the probe path too

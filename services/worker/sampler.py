@@ -189,6 +189,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
     Each row's filter reduces to a cutoff logit (the smallest one kept); the row is then masked
     below it, so no unsorting scatter is needed, and ties at the cutoff are all kept.
+    Sorting the whole vocabulary is the expensive part (~3 ms per 32k-token row on one CPU core),
+    so only the best max(top_k, _TOP_P_PROBE) logits are ranked; a top-p row without a top-k whose
+    nucleus turns out wider than that is redone on a full sort.
     """
     vocab = logits.shape[1]
     device = logits.device
@@ -198,24 +201,55 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         return
     sub = _take_rows(logits, chosen)  # [C, V]
     k = torch.tensor([ks[i] for i in chosen], dtype=torch.long, device=device)[:, None]  # [C, 1]
-    width = int(k.max())
-    # Rows with a top-k only need their k best logits sorted: topk is far cheaper than a full sort.
-    if width < vocab:
-        ranked = torch.topk(sub, width, dim=-1).values  # [C, width], best first
-    else:
-        ranked = torch.sort(sub, dim=-1, descending=True).values  # [C, V]
-    cutoff = ranked.gather(1, k - 1)  # [C, 1] the k-th largest logit
+    # p = 1 rows get an infinite p so that rounding in the prefix sums can never trim them.
     top_p = [rows[i].params.top_p for i in chosen]
-    if any(p < 1.0 for p in top_p):
-        # top-p acts on the top-k distribution; p = 1 rows get an infinite p so rounding never trims them.
-        p = _param_column([p if p < 1.0 else float("inf") for p in top_p], device)  # [C, 1]
-        probs = torch.softmax(ranked.masked_fill(ranked < cutoff, float("-inf")), dim=-1)  # [C, width]
-        # Exclusive prefix mass, built from one cumsum so it never decreases along the row.
-        mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
-        num_kept = (mass_before < p).sum(dim=-1, keepdim=True)  # [C, 1] >= 1: mass_before[:, 0] = 0 < p
-        cutoff = torch.maximum(cutoff, ranked.gather(1, num_kept - 1))
+    p = _param_column([x if x < 1.0 else float("inf") for x in top_p], device)  # [C, 1]
+    width = min(vocab, max(ks[i] if ks[i] < vocab else _TOP_P_PROBE for i in chosen))
+    cutoff, spilled = _cutoffs(sub, _ranked(sub, width), k, p)  # [C, 1], [C]
+    if bool(spilled.any()):
+        again = spilled.nonzero().flatten()
+        redo = sub[again]  # [C', V]
+        cutoff[again] = _cutoffs(redo, _ranked(redo, vocab), k[again], p[again])[0]
     sub.masked_fill_(sub < cutoff, float("-inf"))
     _put_rows(logits, chosen, sub)
+
+
+# How many best tokens a top-p row without a top-k first looks for its nucleus in.
+_TOP_P_PROBE = 1024
+
+
+def _ranked(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """logits [C, V] -> the `width` largest of each row, best first [C, width]."""
+    if width < logits.shape[1]:
+        return torch.topk(logits, width, dim=-1).values
+    return torch.sort(logits, dim=-1, descending=True).values
+
+
+def _cutoffs(logits: torch.Tensor, ranked: torch.Tensor, k: torch.Tensor,
+             p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row smallest kept logit [C, 1] after top-k then top-p, and which rows need a wider ranking [C].
+
+    logits [C, V]; ranked [C, W] the W best of each row; k [C, 1] (k > W only for rows without a
+    top-k, which then have k = V); p [C, 1] (inf: no top-p).
+    """
+    width = ranked.shape[1]
+    has_k = k <= width  # [C, 1]
+    cutoff = torch.where(has_k, ranked.gather(1, k.clamp(max=width) - 1),
+                         torch.full_like(ranked[:, :1], float("-inf")))  # [C, 1] the k-th largest logit
+    if not bool(torch.isfinite(p).any()):
+        return cutoff, torch.zeros_like(has_k[:, 0])
+    masked = ranked.masked_fill(ranked < cutoff, float("-inf"))  # [C, W]
+    # top-p acts on the top-k law; a row without a top-k may not hold its whole law in `ranked`,
+    # so it is normalised over its full row.
+    norm = torch.where(has_k, torch.logsumexp(masked, dim=-1, keepdim=True),
+                       torch.logsumexp(logits, dim=-1, keepdim=True))  # [C, 1]
+    cum = (masked - norm).exp().cumsum(dim=-1)  # [C, W]
+    # Exclusive prefix mass, taken from one cumsum so that it never decreases along the row.
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    num_kept = (mass_before < p).sum(dim=-1, keepdim=True)  # [C, 1] >= 1: mass_before[:, 0] = 0 < p
+    cutoff = torch.maximum(cutoff, ranked.gather(1, num_kept - 1))
+    spilled = (~has_k & (cum[:, -1:] < p))[:, 0]  # the nucleus goes on past the ranked tokens
+    return cutoff, spilled
 
 
 def _apply_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
