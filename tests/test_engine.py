@@ -1,0 +1,306 @@
+"""The offline engine: continuous batching, preemption, sharing, prefix caching, sampling.
+
+Every engine made here goes through `make_engine`, whose teardown checks that the pools are back
+to empty and the block store's invariants hold.
+"""
+from __future__ import annotations
+
+import pytest
+
+from services.engine import Engine
+from services.engine_config import ConfigError, EngineConfig
+from services.sampling_params import SamplingParams, SamplingParamsError
+from services.scheduler.scheduler import SchedulerError
+from tests.test_exactness import hf_greedy
+
+PROMPTS = [
+    "def fibonacci(n):", "import os", "x", "class Scheduler:\n    def step(self):",
+    "# Licensed under the Apache License, Version 2.0", "for i in range(10):", "while True:\n    pass",
+    "return sorted(items, key=len)", "async def main():", "try:\n    import numpy\nexcept ImportError:",
+    "with open(path) as f:\n    data = f.read()", "print('hello world')", "lambda x: x + 1",
+    "if __name__ == '__main__':\n    main()", "assert a == b, 'mismatch'", "@dataclass\nclass Point:",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture
+def make_engine(tiny_llama):
+    engines: list[Engine] = []
+
+    def make(**kw) -> Engine:
+        kw.setdefault("model", tiny_llama)
+        engine = Engine(EngineConfig(**kw))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        stats = engine.store.stats()
+        engine.store.check_invariants()
+        assert not engine.scheduler.has_unfinished()
+        assert stats["device_blocks_used"] == 0, stats
+        assert stats["host_blocks_used"] == 0, stats
+        assert stats["num_sequences"] == 0, stats
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tiny_llama):
+    """Greedy outputs with plenty of memory: the baseline every pressured run must equal."""
+    with Engine(EngineConfig(model=tiny_llama, num_device_blocks=512)) as engine:
+        outs = engine.generate(PROMPTS, GREEDY)
+        ids = [o.prompt_token_ids for o in outs]
+    return ids, [o.outputs[0].token_ids for o in outs]
+
+
+def test_no_pressure_matches_transformers(tiny_llama, reference_outputs):
+    prompt_ids, outs = reference_outputs
+    assert outs == hf_greedy(tiny_llama, prompt_ids, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_preemption_keeps_greedy_output(make_engine, reference_outputs, mode):
+    engine = make_engine(num_device_blocks=10, preemption_mode=mode)
+    outs = engine.generate(PROMPTS, GREEDY)
+    stats = engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == reference_outputs[1]
+    assert stats["preemptions"] >= 4, stats
+    if mode == "swap":
+        assert stats["swap_outs"] >= 4 and stats["swap_ins"] == stats["swap_outs"]
+        assert stats["swap_out_blocks"] == stats["swap_in_blocks"] > 0
+    if mode == "recompute":
+        assert stats["recomputed_tokens"] > 0 and stats["swap_outs"] == 0
+    assert stats["device_blocks_peak_used"] <= 10
+
+
+def test_auto_mode_says_why(make_engine):
+    engine = make_engine(num_device_blocks=10, preemption_mode="auto")
+    engine.scheduler.config.auto_swap_min_tokens = 16   # so both branches are taken
+    engine.generate(PROMPTS, GREEDY)
+    reasons = [k for k in engine.stats() if k.startswith("preemption_reason[auto")]
+    assert reasons, engine.stats()
+
+
+def test_swap_mode_without_host_space_falls_back_to_recompute(make_engine, reference_outputs):
+    engine = make_engine(num_device_blocks=10, preemption_mode="swap", swap_space_gib=0.0)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference_outputs[1]
+    assert engine.stats()["preemption_reason[swap mode, host pool full]"] > 0
+
+
+def test_chunked_prefill_matches(make_engine, reference_outputs):
+    engine = make_engine(num_device_blocks=256, max_num_batched_tokens=8, max_num_seqs=4)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference_outputs[1]
+
+
+def test_preempting_step_admits_nobody(make_engine):
+    engine = make_engine(num_device_blocks=10, preemption_mode="recompute")
+    for p in PROMPTS:
+        engine.add_request(p, GREEDY)
+    saw_preemption = False
+    while engine.scheduler.has_unfinished():
+        waiting_before = {r.request_id for r in engine.scheduler.waiting}
+        scheduled = engine.scheduler.schedule()
+        if scheduled.preempted:
+            saw_preemption = True
+            admitted = {r.request_id for r in scheduled.requests} & waiting_before
+            assert not admitted, "a step that preempted admitted a waiting request"
+        results = engine.worker.execute(scheduled.steps, scheduled.samples) if scheduled.steps else []
+        for req in engine.scheduler.update(scheduled, results):
+            engine.scheduler.pop_finished(req.request_id)
+    assert saw_preemption
+
+
+def test_finished_request_returns_its_blocks(make_engine):
+    engine = make_engine(num_device_blocks=64, enable_prefix_caching=False)
+    engine.add_request("a fairly long prompt " * 5, SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("short", SamplingParams(max_tokens=30, temperature=0))
+    used = []
+    while engine.scheduler.has_unfinished():
+        for req in engine.step():
+            engine.scheduler.pop_finished(req.request_id)
+            used.append(engine.store.stats()["device_blocks_used"])
+    assert used[0] <= 2 and used[-1] == 0
+
+
+# ---- prefix caching -----------------------------------------------------------------------
+
+def test_prefix_cache_hits_three_blocks(make_engine):
+    engine = make_engine(num_device_blocks=64, block_size=16)
+    prefix = list(range(100, 148))              # exactly 3 blocks of 16
+    first = engine.generate([prefix + [7, 8, 9]], GREEDY)[0]
+    before = engine.stats()["prefix_hit_tokens"]
+    second = engine.generate([prefix + [7, 8, 9]], GREEDY)[0]
+    assert engine.stats()["prefix_hit_tokens"] - before == 48
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    # A prompt that is exactly the cached 3 blocks: the hit must stop before its last token.
+    before = engine.stats()["prefix_hit_tokens"]
+    engine.generate([prefix], GREEDY)
+    assert engine.stats()["prefix_hit_tokens"] - before == 32
+
+
+def test_prefix_caching_on_off_same_output(make_engine):
+    shared = "You are a helpful assistant that writes Python code carefully and explains it. " * 2
+    prompts = [shared + p for p in PROMPTS[:8]]
+    on = make_engine(num_device_blocks=128)
+    off = make_engine(num_device_blocks=128, enable_prefix_caching=False)
+    a = [o.outputs[0].token_ids for o in on.generate(prompts[:1], GREEDY) + on.generate(prompts[1:], GREEDY)]
+    b = [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY)]
+    assert a == b
+    assert on.stats()["prefix_hit_tokens"] > 0 and off.stats()["prefix_hit_tokens"] == 0
+
+
+def test_cache_salt_separates_prefixes(make_engine):
+    engine = make_engine(num_device_blocks=64)
+    prompt = list(range(200, 240))
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
+    before = engine.stats()["prefix_hit_tokens"]
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-b"))
+    assert engine.stats()["prefix_hit_tokens"] == before
+
+
+# ---- sharing: n samples, copy-on-write ------------------------------------------------------
+
+def test_parallel_samples_fork_and_copy_once(make_engine):
+    engine = make_engine(num_device_blocks=64, enable_prefix_caching=False)
+    prompt = list(range(300, 340))               # 2.5 blocks: the last block is shared partly filled
+    params = SamplingParams(n=4, max_tokens=1, temperature=1.0, seed=3)
+    engine.add_request(prompt, params, request_id="r")
+    scheduled = engine.scheduler.schedule()
+    results = engine.worker.execute(scheduled.steps, scheduled.samples)
+    used_before_fork = engine.store.stats()["device_blocks_used"]
+    req = engine.scheduler.requests["r"]
+    # The prompt is computed once and 4 samples are drawn from its logits.
+    assert len(scheduled.steps) == 1 and len(results) == 4
+    engine.scheduler.update(scheduled, results)
+    engine.scheduler.pop_finished("r")
+    assert used_before_fork == 3
+    assert req.is_finished and len(req.finished) == 4
+
+
+def test_parallel_samples_share_prompt_blocks(make_engine):
+    engine = make_engine(num_device_blocks=64, enable_prefix_caching=False)
+    prompt = list(range(300, 340))               # 3 blocks, the last partly filled (8 of 16)
+    engine.add_request(prompt, SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=3), request_id="r")
+    engine.step()                                # prefill + fork + first tokens
+    stats = engine.store.stats()
+    assert stats["device_blocks_used"] == 3      # the fork allocated nothing
+    engine.step()                                # each sample writes its first token's K/V
+    stats = engine.store.stats()
+    # Two full prompt blocks shared by all 4; the partly filled one copied for 3 writers, kept by 1.
+    assert stats["cow_copies"] == 3 and stats["device_blocks_used"] == 2 + 4
+    tables = [engine.store.block_table(s.seq_id) for s in engine.scheduler.requests["r"].seqs]
+    assert len({tuple(t[:2]) for t in tables}) == 1 and len({t[2] for t in tables}) == 4
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    out = engine.output_of(engine.scheduler.pop_finished("r"))
+    assert len(out.outputs) == 4
+
+
+def test_seeded_sampling_reproducible_alone_and_in_batch(make_engine):
+    engine = make_engine(num_device_blocks=128)
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    alone = engine.generate(["def main():"], p)[0].outputs[0].token_ids
+    mixed = engine.generate(PROMPTS[:5] + ["def main():"] + PROMPTS[5:9],
+                            [SamplingParams(max_tokens=12, temperature=1.0)] * 5 + [p]
+                            + [SamplingParams(max_tokens=12, temperature=1.0)] * 4)
+    assert mixed[5].outputs[0].token_ids == alone
+
+
+def test_n_samples_distinct_and_reproducible(make_engine):
+    engine = make_engine(num_device_blocks=128)
+    p = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=99)
+    first = [c.token_ids for c in engine.generate(["import os"], p)[0].outputs]
+    again = [c.token_ids for c in engine.generate(["import os"], p)[0].outputs]
+    assert first == again
+    assert len({tuple(t) for t in first}) == 3
+
+
+def test_unseeded_sampling_varies(make_engine):
+    engine = make_engine(num_device_blocks=128)
+    p = SamplingParams(max_tokens=16, temperature=1.0)
+    outs = {tuple(engine.generate(["import os"], p)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(outs) > 1
+
+
+def test_stop_conditions(make_engine, reference_outputs):
+    engine = make_engine(num_device_blocks=128)
+    ref = reference_outputs[1][0]
+    stop_tok = ref[5]
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0,
+                                                       stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(stop_tok) + 1] and out.finish_reason == "stop"
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=7, temperature=0))[0].outputs[0]
+    assert out.token_ids == ref[:7] and out.finish_reason == "length"
+
+
+def test_logprobs_returned(make_engine):
+    engine = make_engine(num_device_blocks=64)
+    out = engine.generate(["import os"], SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 4 and len(out.top_logprobs) == 4
+    for lp, top, tok in zip(out.logprobs, out.top_logprobs, out.token_ids):
+        assert len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-5
+
+
+# ---- beam search ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_transformers(tiny_llama, make_engine, width):
+    import torch
+    from transformers import AutoModelForCausalLM
+    engine = make_engine(num_device_blocks=128)
+    prompts = ["def fibonacci(n):", "import os\nimport sys", "class A:"]
+    params = SamplingParams(beam_width=width, n=width, max_tokens=10, length_penalty=1.0)
+    outs = engine.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for out in outs:
+        x = torch.tensor([out.prompt_token_ids])
+        y = hf.generate(x, attention_mask=torch.ones_like(x), num_beams=width, do_sample=False,
+                        max_new_tokens=10, num_return_sequences=width, length_penalty=1.0,
+                        early_stopping=False)
+        expected = [row[x.shape[1]:].tolist() for row in y]
+        assert [c.token_ids for c in out.outputs] == expected
+
+
+def test_beam_search_under_preemption(make_engine):
+    prompts = ["def fibonacci(n):", "import os\nimport sys", "class A:", "x = [1, 2, 3]"]
+    params = SamplingParams(beam_width=3, n=3, max_tokens=16)
+    roomy = make_engine(num_device_blocks=256)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
+    for mode in ("swap", "recompute"):
+        tight = make_engine(num_device_blocks=12, preemption_mode=mode)
+        got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+        assert got == expected, mode
+        assert tight.stats()["preemptions"] > 0
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(n=0),
+                                 dict(beam_width=0)])
+def test_bad_sampling_params_rejected(make_engine, bad):
+    engine = make_engine(num_device_blocks=32)
+    with pytest.raises(SamplingParamsError):
+        engine.generate(["x"], SamplingParams(**bad))
+
+
+def test_request_longer_than_pool_rejected_others_continue(make_engine):
+    engine = make_engine(num_device_blocks=4)               # 64 slots
+    with pytest.raises(SchedulerError, match="device pool"):
+        engine.add_request(list(range(10, 90)), GREEDY)
+    out = engine.generate(["x"], GREEDY)
+    assert len(out[0].outputs[0].token_ids) > 0
+
+
+def test_request_that_outgrows_pool_is_aborted_not_retried(make_engine):
+    engine = make_engine(num_device_blocks=2, max_num_seqs=2, max_num_batched_tokens=64)   # 32 slots
+    out = engine.generate([list(range(10, 30)), "x"],
+                          [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), GREEDY])
+    assert out[0].error and out[0].outputs[0].finish_reason == "abort"
+
+
+def test_config_rejects_bad_values(tiny_llama):
+    for bad in (dict(block_size=12), dict(num_device_blocks=0), dict(preemption_mode="later")):
+        with pytest.raises(ConfigError):
+            Engine(EngineConfig(model=tiny_llama, **bad))
