@@ -114,8 +114,8 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value}")
         if self.repetition_penalty <= 0.0:
-            raise SamplingParamsError(
-                "repetition_penalty", f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+            raise SamplingParamsError("repetition_penalty",
+                                      f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise SamplingParamsError("seed", f"seed must fit in 64 bits, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -136,8 +136,8 @@ class SamplingParams:
                     "stop_token_ids", f"stop_token_ids must be non-negative, got {token_id}")
         # Checked by type, not `in (False, True, "never")`, which would let 0 and 1 pass as booleans.
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise SamplingParamsError(
-                "early_stopping", f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+            raise SamplingParamsError("early_stopping",
+                                      f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise SamplingParamsError(
                 "cache_salt", f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}")
@@ -155,7 +155,8 @@ class SamplingParams:
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         """Decode and validate the wire form; unknown keys are an error (they mean a version skew)."""
         if not isinstance(data, dict):
-            raise SamplingParamsError("sampling_params", f"sampling params must be a mapping, got {type(data).__name__}")
+            raise SamplingParamsError("sampling_params",
+                                      f"sampling params must be a mapping, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:

@@ -311,3 +311,11 @@ def test_top_k_top_p_masks_match_a_per_row_full_sort():
         assert torch.equal(processed[i][expected], logits[i][expected])  # kept logits untouched
     assert _reference_keep(logits[0], 0, 0.9).sum() > 1024  # the fallback path was taken
     assert _reference_keep(logits[1], 0, 0.9).sum() < 1024  # and the probe path too
+
+
+def test_min_tokens_masks_every_eos_id_given():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])
+    params = dict(temperature=0, min_tokens=1)
+    assert sample(logits, [row(**params)], eos_token_id=(1, 2)).token_ids == [3]
+    assert sample(logits, [row(**params)], eos_token_id=[1]).token_ids == [2]
+    assert sample(logits, [row(**params)], eos_token_id=None).token_ids == [1]

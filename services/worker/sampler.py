@@ -24,6 +24,7 @@ as in vLLM). Top-p keeps the smallest prefix of the sorted distribution whose ma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +84,12 @@ def derive_row_seed(seed: int, seq_index: int, step: int) -> int:
     return h >> 1
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None,
+def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Sequence[int] | None,
            generator: torch.Generator | None = None) -> SamplerOutput:
     """Sample one token per row. logits [S, V] (one row per entry of `rows`) are not modified.
 
+    `eos_token_id`: the model's EOS id, or several (some models end on any of a few), or None;
+    only min_tokens uses it.
     `generator`: CPU generator that seeds this call's randomness for rows without a seed (see the
     module docstring); seeded rows ignore it.
     """
@@ -96,7 +99,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     num_rows, vocab = raw.shape
     device = raw.device
     processed = raw.clone()  # [S, V]
-    _apply_min_tokens(processed, rows, eos_token_id)
+    if eos_token_id is None:
+        eos_ids: tuple[int, ...] = ()
+    else:
+        eos_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    _apply_min_tokens(processed, rows, eos_ids)
     _apply_repetition_penalty(processed, rows)
     _apply_frequency_presence_penalties(processed, rows)
 
@@ -127,16 +134,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
                          top_logprobs=tops)
 
 
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_ids: tuple[int, ...]) -> None:
     """Forbid EOS and the stop tokens while a row has fewer than min_tokens outputs (in place)."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, r in enumerate(rows):
         if len(r.output_token_ids) >= r.params.min_tokens:
             continue
-        banned = set(r.params.stop_token_ids)
-        if eos_token_id is not None:
-            banned.add(eos_token_id)
+        banned = set(r.params.stop_token_ids).union(eos_ids)
         row_idx.extend([i] * len(banned))
         tok_idx.extend(banned)
     if row_idx:
@@ -149,8 +154,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     if not chosen:
         return
     device = logits.device
-    seen = _presence_mask(
-        [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen], logits.shape[1], device)  # [R, V]
+    seen_tokens = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen]
+    seen = _presence_mask(seen_tokens, logits.shape[1], device)  # [R, V]
     penalty = _param_column([rows[i].params.repetition_penalty for i in chosen], device)  # [R, 1]
     sub = _take_rows(logits, chosen)  # [R, V]
     penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
