@@ -1,0 +1,295 @@
+"""Every message between pagedserve processes, declared once: typed, versioned, msgpack on the wire.
+
+Wire form (ZeroMQ multipart): frame 0 is a msgpack map {"v": VERSION, "t": type name, "b": body};
+numpy array fields travel as extra frames after it, uncopied, described in the body by
+{"__array__": frame index, "dtype", "shape"}. `decode` checks the version, the type name and every
+field's type, and raises ProtocolError for anything else — loops log it, answer with an Error
+message where there is someone to answer, and carry on.
+
+Sockets and who talks (tcp or ipc endpoints, all on loopback in tests):
+  router    --DEALER--> scheduler ROUTER   AddRequest, AbortRequest, GetStats, Ping
+  scheduler --ROUTER--> router             RequestUpdate, Error, StatsReply, Pong
+  scheduler --DEALER--> kvstore ROUTER     ApplyOps, GetPoolInfo, GetStats, Ping -> ApplyOpsReply, PoolInfo, StatsReply, Pong
+  scheduler --DEALER--> worker ROUTER      ExecuteStep, Ping -> StepResult, Pong (rank 0 answers for the group)
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded: wrong version, unknown type, missing or mistyped field."""
+
+
+# ---- messages ----------------------------------------------------------------------------------
+
+@dataclass
+class Ping:
+    sender: str = ""
+    time: float = 0.0
+
+
+@dataclass
+class Pong:
+    sender: str = ""
+    time: float = 0.0
+    role: str = ""
+    ready: bool = True
+
+
+@dataclass
+class Error:
+    message: str
+    code: int = 400                      # HTTP-like: 400 bad request, 404 unknown, 503 unavailable
+    type: str = "invalid_request_error"
+    param: str | None = None
+    request_id: str | None = None
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict                         # SamplingParams.to_dict()
+    arrival_time: float = 0.0
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class CompletionDelta:
+    index: int
+    token_ids: list[int]                 # new tokens since the last update
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list | None = None     # per new token: [[id, logprob], ...]
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestUpdate:
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool = False
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class GetStats:
+    pass
+
+
+@dataclass
+class StatsReply:
+    stats: dict
+
+
+@dataclass
+class GetPoolInfo:
+    pass
+
+
+@dataclass
+class PoolInfo:
+    block_size: int
+    block_bytes: int                     # per worker rank (each rank's pool holds its KV heads)
+    num_device_blocks: int
+    num_host_blocks: int
+    device_pool_names: list[str]         # one per tensor-parallel rank
+    host_pool_names: list[str]
+    device: str = "cpu"
+
+
+@dataclass
+class ApplyOps:
+    """One step's block operations, in the order the scheduler's mirror applied them."""
+    step: int
+    ops: list[list]                      # [op name, *args]; see kvstore.replay.OPS
+
+
+@dataclass
+class ApplyOpsReply:
+    step: int
+    results: list                        # one per op: see kvstore.replay.encode_result
+    num_free_device_blocks: int = 0
+    num_free_host_blocks: int = 0
+    error: str | None = None
+
+
+@dataclass
+class SeqWork:
+    """One sequence's share of a step, as the worker needs it."""
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    samples: list[dict] = field(default_factory=list)   # worker_core.SampleRequest fields
+
+
+@dataclass
+class ExecuteStep:
+    step: int
+    seqs: list[SeqWork]
+    # Block-table changes since the last step, not whole tables: {seq_id: [start index, blocks...]}
+    # sets table[start:] = blocks; `freed` drops tables the worker no longer needs.
+    table_updates: dict = field(default_factory=dict)
+    freed: list[int] = field(default_factory=list)
+    histories: dict = field(default_factory=dict)        # seq_id -> [prompt ids, output ids] when penalties need them
+
+
+@dataclass
+class StepResult:
+    step: int
+    results: list[dict]                  # worker_core.SampleResult fields
+    error: str | None = None
+    elapsed: float = 0.0
+
+
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
+    Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, GetStats, StatsReply,
+    GetPoolInfo, PoolInfo, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
+_NESTED = {"outputs": CompletionDelta, "seqs": SeqWork}
+
+
+# ---- encoding ----------------------------------------------------------------------------------
+
+def encode(msg: Any) -> list[bytes]:
+    """A message dataclass -> multipart frames (header + raw array buffers)."""
+    name = type(msg).__name__
+    if MESSAGES.get(name) is not type(msg):
+        raise ProtocolError(f"not a protocol message: {type(msg)!r}")
+    frames: list[Any] = [b""]
+    body = {f.name: _to_wire(getattr(msg, f.name), frames) for f in dataclasses.fields(msg)}
+    frames[0] = msgpack.packb({"v": VERSION, "t": name, "b": body}, use_bin_type=True)
+    return frames
+
+
+def _to_wire(value: Any, frames: list) -> Any:
+    # Arrays may stand only as top-level fields; nested messages only in the _NESTED lists.
+    # Everything else is handed to msgpack as it is (no per-element walk: this is the hot path).
+    if isinstance(value, np.ndarray):
+        frames.append(np.ascontiguousarray(value).data)
+        return {"__array__": len(frames) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
+    if type(value) is list and value and dataclasses.is_dataclass(value[0]):
+        return [{f.name: getattr(v, f.name) for f in dataclasses.fields(v)} for v in value]
+    if type(value) is tuple:
+        return list(value)
+    return value
+
+
+def decode(frames: list) -> Any:
+    """Multipart frames -> a typed message; ProtocolError for anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    try:
+        head = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise ProtocolError(f"undecodable header: {e}") from None
+    if not isinstance(head, dict) or not {"v", "t", "b"} <= head.keys():
+        raise ProtocolError("header must be a map with v, t and b")
+    if head["v"] != VERSION:
+        raise ProtocolError(f"protocol version {head['v']!r} not supported (this side speaks {VERSION})")
+    cls = MESSAGES.get(head["t"]) if isinstance(head["t"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {head['t']!r}")
+    if not isinstance(head["b"], dict):
+        raise ProtocolError(f"{cls.__name__}: body must be a map")
+    return _build(cls, head["b"], frames)
+
+
+def _build(cls: type, body: dict, frames: list) -> Any:
+    kwargs = {}
+    for name, required, check, nested in _field_specs(cls):
+        if name not in body:
+            if required:
+                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+            continue
+        value = body[name]
+        if len(frames) > 1 and type(value) is dict and "__array__" in value:
+            value = _from_wire(value, frames)
+        if nested is not None:
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                _bad(cls, name, value)
+            value = [_build(nested, v, frames) for v in value]
+        elif not check(value):
+            _bad(cls, name, value)
+        kwargs[name] = value
+    if len(body) > len(kwargs) and set(body) - {n for n, *_ in _field_specs(cls)}:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(body) - set(kwargs))}")
+    return cls(**kwargs)
+
+
+_SPECS: dict[type, list] = {}
+
+
+def _field_specs(cls: type) -> list:
+    """(name, required, type check, nested message class) per field, computed once per class."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        hints = typing.get_type_hints(cls)
+        specs = [(f.name,
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                  _checker(hints[f.name]), _NESTED.get(f.name))
+                 for f in dataclasses.fields(cls)]
+        _SPECS[cls] = specs
+    return specs
+
+
+def _bad(cls: type, name: str, value: Any):
+    raise ProtocolError(f"{cls.__name__}.{name}: unexpected {type(value).__name__} value")
+
+
+def _from_wire(value: Any, frames: list) -> Any:
+    try:
+        buf = frames[value["__array__"]]
+        return np.frombuffer(buf, dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+    except Exception as e:
+        raise ProtocolError(f"bad array frame: {e}") from None
+
+
+def _checker(hint: Any):
+    """A fast predicate for one declared field type (lists are checked element by element)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_checker(h) for h in typing.get_args(hint)]
+        return lambda v: any(p(v) for p in parts)
+    if hint is type(None):
+        return lambda v: v is None
+    if hint is Any:
+        return lambda v: True
+    if hint is float:
+        return lambda v: type(v) in (int, float)
+    if hint is int:
+        return lambda v: type(v) is int
+    if hint is bool:
+        return lambda v: type(v) is bool
+    if hint is str:
+        return lambda v: type(v) is str
+    if hint is np.ndarray:
+        return lambda v: isinstance(v, np.ndarray)
+    if origin is list or hint is list:
+        args = typing.get_args(hint)
+        if not args:
+            return lambda v: type(v) is list
+        if args[0] is int:
+            return lambda v: type(v) is list and all(type(x) is int for x in v)
+        inner = _checker(args[0])
+        return lambda v: type(v) is list and all(inner(x) for x in v)
+    if origin is dict or hint is dict:
+        return lambda v: type(v) is dict
+    if isinstance(hint, type):
+        return lambda v: isinstance(v, hint)
+    return lambda v: True
