@@ -136,18 +136,24 @@ class SeqWork:
     seq_id: int
     token_ids: list[int]
     start_pos: int
-    samples: list[dict] = field(default_factory=list)   # worker_core.SampleRequest fields
+    # Draws wanted from this sequence's last logits: [seq_id, params_key, seq_index,
+    # beam_candidates, num_output_tokens] each (several for the n samples of a fresh prompt).
+    samples: list[list] = field(default_factory=list)
 
 
 @dataclass
 class ExecuteStep:
     step: int
     seqs: list[SeqWork]
-    # Block-table changes since the last step, not whole tables: {seq_id: [start index, blocks...]}
-    # sets table[start:] = blocks; `freed` drops tables the worker no longer needs.
+    # Block-table changes since the last step, not whole tables: {seq_id: [start, *blocks]} sets
+    # table[start:] = blocks; `freed` drops tables the worker no longer needs.
     table_updates: dict = field(default_factory=dict)
     freed: list[int] = field(default_factory=list)
-    histories: dict = field(default_factory=dict)        # seq_id -> [prompt ids, output ids] when penalties need them
+    # Sampling params travel once per request: {params_key: SamplingParams.to_dict()}, dropped when done.
+    new_params: dict = field(default_factory=dict)
+    dropped_params: list[str] = field(default_factory=list)
+    # Only for requests whose params use penalties: {seq_id: [prompt ids, output ids]}.
+    histories: dict = field(default_factory=dict)
 
 
 @dataclass

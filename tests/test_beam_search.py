@@ -3,11 +3,16 @@
 The model-driven tests run a tiny random Llama with a plain full-recompute loop (no KV cache) and
 compare BeamSearch.results() token for token, and scores closely, with model.generate(num_beams=k).
 Random models rarely emit their EOS, so most cases declare as EOS a token that greedy decoding does
-produce, which makes finished hypotheses, early stopping and length penalties matter.
+produce, which makes finished hypotheses, early stopping and length penalties matter. A randomised
+test replaces the model's log-probabilities (in both loops, through the same hook HF's logits
+processors use) by peaked pseudo-random ones that are a function of the sequence and favour EOS, to
+cover many configurations and EOS-heavy searches cheaply.
 """
 from __future__ import annotations
 
 import itertools
+import random
+import zlib
 
 import pytest
 
@@ -19,6 +24,16 @@ torch = pytest.importorskip("torch")
 # run to max_new_tokens, and so that early_stopping True / False / "never" give different results.
 CASES = (("x = [1, 2", 3), ("return self.", 0))
 MAX_NEW = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The model is tiny: a second intra-op thread only spins, and on a busy 2-core machine that
+    # made these tests ~20x slower. Restored for the rest of the session.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +53,27 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _hf_beams(model, prompt, k, lp, es, max_new, eos_ids, n) -> list[tuple[list[int], float]]:
+def _hf_beams(model, prompt, k, lp, es, max_new, eos_ids, n, rewrite=None) -> list[tuple[list[int], float]]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Rewrite(LogitsProcessor):
+        def __call__(self, input_ids, scores):  # [B, T], [B, V] log-probabilities
+            return rewrite(input_ids.tolist(), scores)
+
+    extra = {"logits_processor": LogitsProcessorList([Rewrite()])} if rewrite else {}
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False, num_beams=k, max_new_tokens=max_new, length_penalty=lp, early_stopping=es,
             num_return_sequences=n, eos_token_id=list(eos_ids), return_dict_in_generate=True,
-            output_scores=True)
+            output_scores=True, **extra)
     # beam_indices is -1 past each hypothesis' own length (the rest of `sequences` is padding).
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
     return [(out.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist(), float(out.sequences_scores[i]))
             for i in range(n)]
 
 
-def _our_beams(model, prompt, k, lp, es, max_new, eos_ids, n) -> list[tuple[list[int], float]]:
+def _our_beams(model, prompt, k, lp, es, max_new, eos_ids, n, rewrite=None) -> list[tuple[list[int], float]]:
     """Drive BeamSearch like the scheduler would, mirroring its sequence table to check the protocol."""
     ids = itertools.count(100)
     bs = BeamSearch(beam_width=k, length_penalty=lp, early_stopping=es, max_new_tokens=max_new,
@@ -64,8 +86,11 @@ def _our_beams(model, prompt, k, lp, es, max_new, eos_ids, n) -> list[tuple[list
         assert table == {b.beam_id: list(prompt) + b.token_ids for b in beams}
         with torch.no_grad():
             # all running beams have the same length: one batch, no padding, no cache
-            logits = model(torch.tensor([list(prompt) + b.token_ids for b in beams])).logits[:, -1]  # [B, V]
+            rows = [list(prompt) + b.token_ids for b in beams]
+            logits = model(torch.tensor(rows)).logits[:, -1]                                    # [B, V]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
+            if rewrite:
+                logprobs = rewrite(rows, logprobs)
             top_lp, top_tok = logprobs.topk(bs.candidates_per_beam, dim=-1)                     # [B, C]
         res = bs.step({b.beam_id: list(zip(top_tok[i].tolist(), top_lp[i].tolist()))
                        for i, b in enumerate(beams)})
@@ -138,6 +163,36 @@ def test_matches_transformers_with_two_eos_ids(model_and_prompts, eos_of_prompt)
         for es in (False, "never"):
             args = (model, prompt, 4, 1.0, es, MAX_NEW, (eos, second), 3)
             _assert_same(_our_beams(*args), _hf_beams(*args))
+
+
+def _synthetic_rewrite(seed: int, eos_ids, sharpness: float, eos_bias: float):
+    """Log-probabilities that depend only on the sequence: peaked, EOS-favouring, tie-free in practice."""
+    def rewrite(rows: list[list[int]], scores):
+        out = []
+        for row in rows:
+            gen = torch.Generator().manual_seed(zlib.crc32(repr((seed, row)).encode()))
+            logits = torch.randn(scores.shape[-1], generator=gen) * sharpness                   # [V]
+            logits[list(eos_ids)] += eos_bias
+            out.append(torch.log_softmax(logits, dim=-1))
+        return torch.stack(out)                                                               # [B, V]
+    return rewrite
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_transformers_on_random_configurations(model_and_prompts, seed):
+    model, _ = model_and_prompts
+    rng = random.Random(seed)
+    k = rng.choice([2, 3, 4])
+    n = rng.randint(1, k)
+    lp = rng.choice([1.0, 0.0, 2.0, -0.5, 0.7])
+    es = rng.choice([False, True, "never"])
+    max_new = rng.randint(1, 12)
+    eos_ids = rng.sample(range(3, model.config.vocab_size), rng.choice([1, 1, 2]))
+    prompt = [1] + [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(1, 6))]
+    rewrite = _synthetic_rewrite(seed, eos_ids, sharpness=rng.choice([0.5, 2.0, 5.0]),
+                                 eos_bias=rng.uniform(0.0, 6.0))
+    args = (model, prompt, k, lp, es, max_new, eos_ids, n, rewrite)
+    _assert_same(_our_beams(*args), _hf_beams(*args))
 
 
 # ---- the core alone, with hand-made candidates ----

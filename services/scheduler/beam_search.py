@@ -105,8 +105,10 @@ class BeamSearch:
                  max_new_tokens: int, prompt_len: int, eos_token_ids: tuple[int, ...] = (),
                  new_beam_id: Callable[[], int] | None = None, num_return: int = 1,
                  max_model_len: int | None = None):
-        if beam_width < 1:
-            raise BeamSearchError(f"beam_width must be >= 1, got {beam_width}")
+        if beam_width < 2:
+            # transformers runs num_beams=1 as greedy decoding, which has no length penalty or
+            # early stopping: the scheduler's greedy path is the match for it.
+            raise BeamSearchError(f"beam_width must be >= 2, got {beam_width}")
         if not 1 <= num_return <= beam_width:
             raise BeamSearchError(f"num_return must be in 1..beam_width ({beam_width}), got {num_return}")
         if not (isinstance(early_stopping, bool) or early_stopping == "never"):
