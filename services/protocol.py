@@ -112,6 +112,8 @@ class PoolInfo:
     device_pool_names: list[str]         # one per tensor-parallel rank
     host_pool_names: list[str]
     device: str = "cpu"
+    enable_prefix_caching: bool = True   # the scheduler's mirror must run the same policy
+    ipc_handles: list = field(default_factory=list)   # CUDA only: pickled IPC handles per rank
 
 
 @dataclass

@@ -65,6 +65,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0                               # prefix-cache hit at first admission
     cache_salt: tuple = ()
 
     @property

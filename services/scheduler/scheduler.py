@@ -268,6 +268,8 @@ class Scheduler:
                     d.num_computed = 0
                 return False
             seq.num_computed = result.num_cached_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = max(req.num_cached_tokens, result.num_cached_tokens)
             done.append(seq)
         return True
 

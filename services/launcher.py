@@ -1,0 +1,229 @@
+"""`pagedserve up`: start every process of one engine replica plus its routers, and stop them all.
+
+Owns only the child processes. Internal sockets are ipc:// endpoints in a private temp folder, so
+two stacks on one machine never collide; routers listen on --port, --port+1, ... Children get
+PR_SET_PDEATHSIG so that even a SIGKILLed launcher leaves no orphan behind.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TINY_DIR = Path(".cache/tiny-llama")
+
+
+@dataclass
+class Config:
+    model: str = "tiny"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    routers: int = 1
+    redis_url: str | None = None
+    num_device_blocks: int | None = None
+    kv_cache_memory_gib: float = 0.25
+    block_size: int = 16
+    swap_space_gib: float = 0.25
+    preemption_mode: str = "recompute"
+    tensor_parallel: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    ready_timeout_s: float = 300.0
+    log_level: str = "INFO"
+    extra_router_args: list[str] = field(default_factory=list)
+
+    def validate(self) -> "Config":
+        from services.engine_config import EngineConfig
+        EngineConfig(model=self.model, device=self.device, block_size=self.block_size,
+                     num_device_blocks=self.num_device_blocks, swap_space_gib=self.swap_space_gib,
+                     preemption_mode=self.preemption_mode, max_num_seqs=self.max_num_seqs,
+                     max_num_batched_tokens=self.max_num_batched_tokens).validate()
+        if self.routers < 1:
+            raise ValueError("--routers must be at least 1")
+        if self.routers > 1 and not self.redis_url:
+            raise ValueError("--routers > 1 needs --redis-url: routers share request state through Redis")
+        if self.tensor_parallel < 1:
+            raise ValueError("--tensor-parallel must be at least 1")
+        if not 0 < self.port < 65536 - self.routers:
+            raise ValueError(f"--port {self.port} is out of range")
+        return self
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="a local model folder, or 'tiny' (built on first use)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--routers", type=int, default=1)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--num-device-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB for the device KV pool")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host memory for swapped blocks")
+    p.add_argument("--preemption-mode", default="recompute")
+    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args) -> Config:
+    return Config(model=args.model, device=args.device, host=args.host, port=args.port, routers=args.routers,
+                  redis_url=args.redis_url, num_device_blocks=args.num_device_blocks,
+                  kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
+                  swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
+                  tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level).validate()
+
+
+def resolve_model(model: str) -> str:
+    if model != "tiny":
+        return model
+    if not (TINY_DIR / "config.json").exists():
+        from services.tiny_model import build_tiny_model
+        print(f"building the tiny model in {TINY_DIR} (first use only) ...", file=sys.stderr, flush=True)
+        build_tiny_model(TINY_DIR, arch="llama")
+    return str(TINY_DIR)
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM when the launcher dies, however it dies.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
+    import torch
+    from services.worker.model_loader import inspect_model_dir
+
+    _, spec = inspect_model_dir(model)
+    dtype = torch.float32 if cfg.device == "cpu" else torch.float16
+    block_bytes = spec.block_bytes(cfg.block_size, dtype, cfg.tensor_parallel)
+    gib = 1 << 30
+    device_blocks = cfg.num_device_blocks or int(cfg.kv_cache_memory_gib * gib) // block_bytes
+    host_blocks = int(cfg.swap_space_gib * gib) // block_bytes
+    kv, sched, worker = (f"ipc://{run_dir}/{n}.sock" for n in ("kvstore", "scheduler", "worker"))
+    py = [sys.executable, "-m"]
+    procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, "--num-device-blocks", str(device_blocks),
+                               "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
+                               "--block-bytes", str(block_bytes), "--tp-size", str(cfg.tensor_parallel),
+                               "--device", cfg.device]
+                              + ([] if cfg.enable_prefix_caching else ["--no-prefix-caching"]))]
+    dist = f"tcp://127.0.0.1:{_free_port()}"
+    for rank in range(cfg.tensor_parallel):
+        procs.append((f"worker{rank}", py + ["services.worker.service", "--model", model, "--rank", str(rank),
+                                             "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
+                                             "--endpoint", worker, "--kvstore-endpoint", kv,
+                                             "--device", cfg.device, "--block-size", str(cfg.block_size)]))
+    procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
+                                     "--kvstore-endpoint", kv, "--worker-endpoint", worker,
+                                     "--max-num-seqs", str(cfg.max_num_seqs),
+                                     "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                                     "--preemption-mode", cfg.preemption_mode, "--log-level", cfg.log_level]
+                  + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
+    for i in range(cfg.routers):
+        procs.append((f"router{i}", py + ["services.router.service", "--model", model, "--host", cfg.host,
+                                          "--port", str(cfg.port + i), "--scheduler-endpoint", sched,
+                                          "--router-id", f"router-{i}"]
+                      + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + cfg.extra_router_args))
+    return procs
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """The running children; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
+
+    def __init__(self):
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.children.append((name, subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env)))
+
+    def failed(self) -> tuple[str, int] | None:
+        for name, p in self.children:
+            if p.poll() is not None:
+                return name, p.returncode
+        return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for _, p in reversed(self.children):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, p in self.children:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def run(cfg: Config) -> int:
+    model = resolve_model(cfg.model)
+    run_dir = tempfile.mkdtemp(prefix="pagedserve-")
+    stack = Stack()
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    try:
+        for name, argv in process_commands(cfg, model, run_dir):
+            stack.start(name, argv)
+        urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(cfg.routers)]
+        deadline = time.monotonic() + cfg.ready_timeout_s
+        while not all(_ready(u + "/ready") for u in urls):
+            failed = stack.failed()
+            if failed:
+                print(f"pagedserve up: the {failed[0]} process exited with code {failed[1]}; stopping the others",
+                      file=sys.stderr)
+                return 1
+            if stopping:
+                return 0
+            if time.monotonic() > deadline:
+                print(f"pagedserve up: not ready after {cfg.ready_timeout_s:.0f} s; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print(f"pagedserve is ready: {', '.join(urls)}  (model {model})", flush=True)
+        print(f"try:\n  curl {urls[0]}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
+        while not stopping:
+            failed = stack.failed()
+            if failed:
+                print(f"pagedserve up: the {failed[0]} process exited with code {failed[1]}; stopping the others",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stack.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,301 @@
+"""The scheduler process: the scheduler core between routers, the kvstore and the workers.
+
+Owns request state (through the core) and the sockets to its peers. Each step: schedule on the
+block-store mirror, send the kvstore the step's op log (one exchange), send the workers the step
+(one exchange), apply the sampled tokens, stream the new tokens to the routers that own the
+requests. Peers are pinged while idle; one that stops answering makes the replica not ready and
+fails the requests in flight instead of hanging them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from services import protocol
+from services.rpc import PeerTimeout, RpcClient
+from services.sampling_params import SamplingParams, SamplingParamsError
+from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from services.scheduler.stepper import RouterView, WorkerView
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass
+class Config:
+    model: str
+    endpoint: str = "tcp://127.0.0.1:5602"
+    kvstore_endpoint: str = "tcp://127.0.0.1:5601"
+    worker_endpoint: str = "tcp://127.0.0.1:5603"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    max_model_len: int | None = None
+    redis_url: str | None = None
+    replica_id: str = "replica-0"
+    advertise: str | None = None          # the endpoint routers should use (default: endpoint)
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    step_timeout_s: float = 120.0
+    startup_timeout_s: float = 120.0
+    log_level: str = "INFO"
+
+    def validate(self) -> "Config":
+        from services.engine_config import PREEMPTION_MODES
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
+        for name in ("endpoint", "kvstore_endpoint", "worker_endpoint"):
+            if not getattr(self, name).startswith(("tcp://", "ipc://")):
+                raise ValueError(f"--{name.replace('_', '-')} must be a tcp:// or ipc:// endpoint")
+        return self
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--endpoint", default=Config.endpoint)
+    p.add_argument("--kvstore-endpoint", default=Config.kvstore_endpoint)
+    p.add_argument("--worker-endpoint", default=Config.worker_endpoint)
+    p.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
+    p.add_argument("--preemption-mode", default=Config.preemption_mode)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--replica-id", default=Config.replica_id)
+    p.add_argument("--advertise", default=None)
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args) -> Config:
+    return Config(model=args.model, endpoint=args.endpoint, kvstore_endpoint=args.kvstore_endpoint,
+                  worker_endpoint=args.worker_endpoint, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
+                  max_model_len=args.max_model_len, redis_url=args.redis_url, replica_id=args.replica_id,
+                  advertise=args.advertise, log_level=args.log_level).validate()
+
+
+class SchedulerService:
+    def __init__(self, config: Config):
+        from kvstore.replay import RecordingStore
+        from kvstore.store import BlockStore
+        from services.worker.model_loader import inspect_model_dir
+
+        self.config = config
+        _, spec = inspect_model_dir(config.model)
+        self.ctx = zmq.Context()
+        self.kv = RpcClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
+        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx)
+        info = self._wait_for(self.kv, protocol.GetPoolInfo(), "kvstore")
+        self._wait_for(self.worker, protocol.Ping("scheduler"), "worker")
+        self.mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
+                                                enable_prefix_caching=info.enable_prefix_caching))
+        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        self.core = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                                              config.preemption_mode, eos_token_ids=spec.eos_token_ids),
+                              self.mirror, clock=time.monotonic)
+        self.model_name = config.model
+        self.max_model_len = max_len
+        self.owner: dict[str, bytes] = {}           # request id -> router identity
+        self.workers_view, self.routers_view = WorkerView(), RouterView()
+        self.step_no = 0
+        self.ready = True
+        self.broken: str | None = None   # set when the kvstore diverged: this replica cannot recover
+        self.last_beat = time.monotonic()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(config.endpoint)
+        self.state = self._register()
+
+    def _wait_for(self, client: RpcClient, msg, name: str):
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            try:
+                return client.call(msg, timeout_s=1.0)
+            except PeerTimeout:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"scheduler: the {name} at {client.endpoint} did not answer "
+                                     f"within {self.config.startup_timeout_s:.0f} s")
+
+    def _register(self):
+        if not self.config.redis_url:
+            return None
+        from services.state import RedisState
+        state = RedisState(self.config.redis_url)
+        state.register_replica(self.config.replica_id, self.config.advertise or self.config.endpoint,
+                               {"model": self.model_name}, ttl_s=5.0)
+        return state
+
+    # ---- messages from routers -------------------------------------------------------------
+
+    def handle(self, identity: bytes, frames) -> None:
+        try:
+            msg = protocol.decode(frames)
+        except protocol.ProtocolError as e:
+            log.warning("rejected a malformed message from %r: %s", identity, e)
+            self._send(identity, protocol.Error(str(e)))
+            return
+        if isinstance(msg, protocol.AddRequest):
+            self._add(identity, msg)
+        elif isinstance(msg, protocol.AbortRequest):
+            self.core.abort(msg.request_id)
+            self._flush_finished([self.core.requests[msg.request_id]] if msg.request_id in self.core.requests else [])
+        elif isinstance(msg, protocol.GetStats):
+            self._send(identity, protocol.StatsReply(self.stats()))
+        elif isinstance(msg, protocol.Ping):
+            self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler", self.ready))
+        else:
+            self._send(identity, protocol.Error(f"the scheduler does not take {type(msg).__name__}"))
+
+    def _add(self, identity: bytes, msg: protocol.AddRequest) -> None:
+        if not self.ready:
+            self._send(identity, protocol.Error("the engine is not ready", 503, "server_error",
+                                                request_id=msg.request_id))
+            return
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+        except (SamplingParamsError, SchedulerError, ValueError, TypeError) as e:
+            log.info("rejected request %s: %s", msg.request_id, e)
+            self._send(identity, protocol.Error(str(e), 400, param=getattr(e, "param", None),
+                                                request_id=msg.request_id))
+            return
+        self.owner[msg.request_id] = identity
+
+    def _send(self, identity: bytes, msg) -> None:
+        self.sock.send_multipart([identity, *protocol.encode(msg)], copy=False)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> None:
+        scheduled = self.core.schedule()
+        self._sync_kvstore()
+        results = []
+        if scheduled.steps:
+            request = self.workers_view.execute_step(self.step_no, scheduled, self.mirror, self.core.requests)
+            reply = self.worker.call(request)
+            if not isinstance(reply, protocol.StepResult) or reply.error:
+                raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
+            from services.worker.worker_core import SampleResult
+            results = [SampleResult(**r) for r in reply.results]
+        finished = self.core.update(scheduled, results)
+        for req in scheduled.requests:
+            update = self.routers_view.update_for(req)
+            if update is not None and req.request_id in self.owner:
+                self._send(self.owner[req.request_id], update)
+        self._flush_finished(finished)
+        if not self.core.has_unfinished():
+            self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
+
+    def _flush_finished(self, finished) -> None:
+        for req in finished:
+            if req.request_id in self.owner and req.is_finished:
+                update = self.routers_view.update_for(req)
+                if update is not None:
+                    self._send(self.owner[req.request_id], update)
+                del self.owner[req.request_id]
+            if req.is_finished:
+                self.core.requests.pop(req.request_id, None)
+
+    def _sync_kvstore(self) -> None:
+        ops, expected = self.mirror.drain()
+        if not ops:
+            return
+        self.step_no += 1
+        reply = self.kv.call(protocol.ApplyOps(self.step_no, ops))
+        if not isinstance(reply, protocol.ApplyOpsReply) or reply.error or reply.results != expected:
+            self.broken = "the kvstore diverged from the scheduler's block-store mirror"
+            raise RuntimeError(f"kvstore diverged from the scheduler's mirror at step {self.step_no}: "
+                               f"{getattr(reply, 'error', None) or 'different results'}")
+
+    def fail_all(self, why: str) -> None:
+        """A peer is gone: end every request with an error rather than leave routers waiting."""
+        for request_id in list(self.owner):
+            req = self.core.requests.get(request_id)
+            if req is not None and not req.is_finished:
+                req.error = why
+                self.core.abort(request_id)
+                self._flush_finished([req])
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_beat < self.config.heartbeat_s:
+            return
+        self.last_beat = now
+        self._sync_kvstore()     # aborts and frees made while idle
+        ok = self.broken is None
+        for client, name in ((self.kv, "kvstore"), (self.worker, "worker")):
+            try:
+                client.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s)
+            except PeerTimeout:
+                log.error("the %s at %s stopped answering", name, client.endpoint)
+                ok = False
+        if self.ready and not ok:
+            self.fail_all("an engine process stopped answering")
+        self.ready = ok
+        if self.state is not None:
+            self.state.renew_replica(self.config.replica_id, ttl_s=5.0,
+                                     info={"model": self.model_name, "load": len(self.owner)})
+
+    def stats(self) -> dict:
+        kv = self.kv.call(protocol.GetStats()).stats
+        total = max(1, kv.get("device_blocks_total", 1))
+        s = self.core.stats
+        return {"ready": self.ready, "model": self.model_name, "max_model_len": self.max_model_len,
+                "broken": self.broken, "num_requests_running": len(self.core.running), "num_requests_waiting": len(self.core.waiting),
+                "num_requests_swapped": len(self.core.swapped),
+                "kv_cache_usage_perc": kv.get("device_blocks_used", 0) / total,
+                "num_preemptions": s["preemptions"], "prefix_cache_queries": kv.get("prefix_queries_tokens", 0),
+                "prefix_cache_hits": kv.get("prefix_hit_tokens", 0), "scheduler": dict(s), "kv": kv}
+
+
+def run(config: Config) -> int:
+    logging.basicConfig(level=config.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    try:
+        svc = SchedulerService(config)
+    except zmq.ZMQError as e:
+        print(f"scheduler: cannot bind {config.endpoint}: {e}", file=sys.stderr)
+        return 1
+    log.info("scheduler ready on %s (kvstore %s, worker %s)", config.endpoint,
+             config.kvstore_endpoint, config.worker_endpoint)
+    while not stop:
+        busy = svc.core.has_unfinished() and svc.ready
+        if svc.sock.poll(0 if busy else 50, zmq.POLLIN):
+            while svc.sock.poll(0, zmq.POLLIN):
+                identity, *frames = svc.sock.recv_multipart(copy=False)
+                svc.handle(bytes(identity), frames)
+        try:
+            if busy:
+                svc.step()
+            svc.heartbeat()
+        except (PeerTimeout, RuntimeError) as e:
+            log.error("%s", e)
+            svc.ready = False
+            svc.fail_all(str(e))
+    svc.sock.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve scheduler")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(config_from_args(args))
+    except (ValueError, SystemExit) as e:
+        if isinstance(e, SystemExit) and not isinstance(e.code, str):
+            raise
+        print(f"scheduler: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

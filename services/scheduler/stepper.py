@@ -1,0 +1,104 @@
+"""Turns the scheduler core's plan into what the worker needs, and its results into router updates.
+
+Pure bookkeeping (no sockets): the block-table deltas the worker has not seen, the sampling params it
+has not cached, and the tokens each router has not been sent yet. Owned by the scheduler process.
+"""
+from __future__ import annotations
+
+from services import protocol
+from services.scheduler.request import Request
+from services.scheduler.scheduler import ScheduledStep
+
+
+def _needs_history(params: dict) -> bool:
+    return (params.get("repetition_penalty", 1.0) != 1.0 or params.get("presence_penalty", 0.0) != 0.0
+            or params.get("frequency_penalty", 0.0) != 0.0)
+
+
+class WorkerView:
+    """What the worker already knows: block tables and params sent so far."""
+
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}
+        self.params: dict[str, dict] = {}
+        self.seq_request: dict[int, str] = {}
+
+    def execute_step(self, step: int, scheduled: ScheduledStep, store, requests: dict[str, Request]
+                     ) -> protocol.ExecuteStep:
+        seqs, updates, new_params, histories = [], {}, {}, {}
+        req_of = {s.seq_id: r for r in scheduled.requests for s in r.seqs}
+        for s, wanted in zip(scheduled.steps, scheduled.samples):
+            req = req_of[s.seq_id]
+            table = s.block_table
+            known = self.tables.get(s.seq_id, [])
+            start = _first_difference(known, table)
+            if start < len(table) or len(known) != len(table):
+                updates[s.seq_id] = [start, *table[start:]]
+                self.tables[s.seq_id] = list(table)
+            key = req.request_id
+            if key not in self.params:
+                self.params[key] = req.params.to_dict()
+                new_params[key] = self.params[key]
+            samples = []
+            for w in wanted:
+                samples.append([w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)])
+                self.seq_request[w.seq_id] = key
+                if _needs_history(self.params[key]):
+                    histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
+            seqs.append(protocol.SeqWork(s.seq_id, s.token_ids, s.start_pos, samples))
+        freed = [sid for sid in self.tables if sid not in store]
+        for sid in freed:
+            del self.tables[sid]
+        dropped = [k for k in self.params if k not in requests or requests[k].is_finished]
+        for k in dropped:
+            del self.params[k]
+        return protocol.ExecuteStep(step, seqs, updates, freed, new_params, dropped, histories)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:      # the common case: the table only grew
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class RouterView:
+    """Per request, how many tokens of each choice the router has been sent, and which choices ended."""
+
+    def __init__(self):
+        self.sent: dict[str, dict[int, int]] = {}
+        self.closed: dict[str, set[int]] = {}
+
+    def update_for(self, req: Request) -> protocol.RequestUpdate | None:
+        """The new tokens since the last update (None if nothing new); beams report only at the end."""
+        if req.beam is not None and not req.is_finished:
+            return None
+        sent = self.sent.setdefault(req.request_id, {})
+        closed = self.closed.setdefault(req.request_id, set())
+        if req.beam is not None:
+            choices = list(enumerate(req.finished[:req.params.n]))
+        else:
+            choices = [(s.seq_index, s) for s in req.seqs + req.finished]
+        deltas = []
+        for index, seq in choices:
+            if index in closed:
+                continue
+            n = sent.get(index, 0)
+            new = seq.output_token_ids[n:]
+            if not new and seq.finish_reason is None:
+                continue
+            sent[index] = len(seq.output_token_ids)
+            top = None
+            if req.params.logprobs is not None:
+                top = [[list(p) for p in t] if t else [] for t in seq.top_logprobs[n:]]
+            deltas.append(protocol.CompletionDelta(index, new, seq.logprobs[n:] if req.beam is None else [],
+                                                   top, seq.finish_reason, seq.cum_logprob))
+            if seq.finish_reason is not None:
+                closed.add(index)
+        if not deltas and not req.is_finished:
+            return None
+        if req.is_finished:
+            self.sent.pop(req.request_id, None)
+            self.closed.pop(req.request_id, None)
+        return protocol.RequestUpdate(req.request_id, deltas, req.is_finished, req.error,
+                                      len(req.prompt_token_ids), req.num_cached_tokens)
