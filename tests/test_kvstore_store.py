@@ -297,6 +297,21 @@ def test_hit_blocks_are_revived_before_new_blocks_are_taken():
     s.check_invariants()
 
 
+def test_allocation_never_evicts_the_block_it_just_hit():
+    s = BlockStore(4, 0, B)
+    s.allocate(1, list(range(5)))
+    s.allocate(2, [7] * 5)
+    s.mark_computed(1, 5)
+    s.mark_computed(2, 5)
+    s.free(1)
+    s.free(2)
+    s.allocate(3, [9] * 5)                   # takes the two clean blocks
+    assert s.evictable_blocks() == [0, 2]    # the block about to be hit is the oldest
+    r = s.allocate(4, list(range(4)) + [8])  # hit on 0 and one new block: must evict 2, not 0
+    assert r.ok and r.num_cached_tokens == 4 and s.block_table(4) == [0, 2]
+    s.check_invariants()
+
+
 def test_prefix_caching_disabled_never_hits():
     s = BlockStore(8, 0, B, enable_prefix_caching=False)
     s.allocate(1, list(range(9)))
