@@ -432,3 +432,23 @@ def test_pool_shapes_are_checked(pools):
         BlockStore(4, 4, B, device_pools=dev)                   # swaps would lose the bytes
     with pytest.raises(ValueError):
         BlockStore(4, 4, B, device_pools=dev, host_pools=host + host)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_pool_copies_on_write_and_swaps_through_host_memory(pools):
+    dev = BlockPool.create("cuda-test-device", 8, B * SLOT, device="cuda")
+    _, host = pools(0, 8)
+    try:
+        assert dev.blocks.is_cuda and tuple(dev.blocks.shape) == (8, B * SLOT)
+        s = BlockStore(8, 8, B, device_pools=[dev], host_pools=host)
+        dev.blocks.zero_()
+        s.allocate(1, list(range(6)))
+        write_tokens(s, dev, 1, 0, 6, lambda pos: 40 + pos)
+        s.fork(1, 2)
+        assert s.append_slots(2, [6]).copies == [(1, 2)]   # runs kernels.copy_blocks on the GPU
+        write_tokens(s, dev, 2, 6, 7, lambda pos: 9)
+        assert s.swap_out([1, 2]).ok and s.swap_in([1, 2]).ok
+        assert read_tokens(s, dev, 2) == list(range(40, 46)) + [9]
+        assert read_tokens(s, dev, 1) == list(range(40, 46))
+    finally:
+        dev.close()
