@@ -1,0 +1,316 @@
+"""Block operations as an op log: recorded on the scheduler's mirror, replayed on the kvstore.
+
+The scheduler plans on a *mirror*, a pool-less BlockStore wrapped by RecordingStore, so it never
+waits for the kvstore inside a step. Every mutating call that changed something is logged as
+[op name, *args] (msgpack-friendly: ints, lists, None) with its encoded result; once per step the
+log travels as protocol.ApplyOps and `apply_ops` replays it on the authoritative BlockStore (the one
+with the pools, which also moves the bytes). BlockStore is deterministic, so the replica's results
+equal the mirror's unless a message was lost.
+
+What is left out of the log, because it changes nothing: failed operations (ok=False; the store
+checks capacity before touching state), empty appends, and mark_computed calls that register no new
+block (most of them in decode: a block fills once every block_size tokens).
+
+apply_ops checks the whole log before applying any of it — op names, argument types, and whether
+each sequence exists in the right pool at that point of the log — so a malformed batch raises
+ReplayError and changes nothing. An op that still fails while applying means the replica has
+diverged from the mirror: ReplicaDiverged, with the results of the ops applied before it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.block_table import DEVICE, HOST
+from kvstore.store import AllocResult, AppendResult, BlockStore, SwapResult
+from services.protocol import ProtocolError
+
+OPS = ("allocate", "append_slots", "mark_computed", "fork", "free", "swap_out", "swap_in")
+
+
+class ReplayError(ProtocolError):
+    """A malformed op log: nothing of it was applied."""
+
+
+class ReplicaDiverged(RuntimeError):
+    """An op of a well-formed log failed on the replica: it no longer matches the mirror."""
+
+    def __init__(self, index: int, results: list, message: str):
+        super().__init__(f"ops[{index}] failed on the replica: {message}")
+        self.index = index
+        self.results = results
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+def encode_result(r: Any) -> Any:
+    """A store result -> plain lists that survive msgpack unchanged (so mirror == replica)."""
+    if r is None:
+        return None
+    kind = type(r)
+    if kind is AppendResult:
+        return [r.ok, [[s, d] for s, d in r.copies]]
+    if kind is AllocResult:
+        return [r.ok, r.num_cached_tokens]
+    if kind is SwapResult:
+        return [r.ok, [[a, b] for a, b in r.mapping]]
+    raise TypeError(f"no wire form for {kind.__name__}")
+
+
+_NO_COPIES = [True, []]  # the result of nearly every append: shared, never mutated by callers
+
+
+# ---- recording on the mirror -------------------------------------------------------------------
+
+# Read-only methods, bound straight onto the wrapper: the scheduler calls some of them per sequence
+# per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
+_READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "can_swap_out",
+          "seq_ids", "block_table", "num_tokens", "location", "token_ids", "slot_mapping",
+          "refcount", "evictable_blocks", "block_hash", "stats", "check_invariants")
+
+
+class RecordingStore:
+    """A BlockStore that logs its state changes; behaves exactly like the store it wraps."""
+
+    def __init__(self, store: BlockStore):
+        self.store = store
+        self._ops: list[list] = []
+        self._results: list = []
+        for name in _READS:
+            setattr(self, name, getattr(store, name))
+
+    # The store's properties, read through.
+    block_size = property(lambda self: self.store.block_size)
+    policy = property(lambda self: self.store.policy)
+    device_pools = property(lambda self: self.store.device_pools)
+    host_pools = property(lambda self: self.store.host_pools)
+    enable_prefix_caching = property(lambda self: self.store.enable_prefix_caching)
+    num_free_device_blocks = property(lambda self: self.store.num_free_device_blocks)
+    num_free_host_blocks = property(lambda self: self.store.num_free_host_blocks)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.store
+
+    def drain(self) -> tuple[list[list], list]:
+        """The ops recorded since the last drain and their encoded results; clears the log."""
+        ops, results = self._ops, self._results
+        self._ops, self._results = [], []
+        return ops, results
+
+    # ---- mutations ---------------------------------------------------------------------------
+
+    def allocate(self, seq_id: int, token_ids, extra_keys: tuple = (),
+                 max_total_tokens: int | None = None) -> AllocResult:
+        r = self.store.allocate(seq_id, token_ids, extra_keys, max_total_tokens)
+        if r.ok:
+            self._ops.append(["allocate", int(seq_id), [int(t) for t in token_ids],
+                              _wire_keys(extra_keys), max_total_tokens])
+            self._results.append([True, r.num_cached_tokens])
+        return r
+
+    def append_slots(self, seq_id: int, token_ids) -> AppendResult:
+        r = self.store.append_slots(seq_id, token_ids)
+        if r.ok and len(token_ids):
+            self._ops.append(["append_slots", int(seq_id), [int(t) for t in token_ids]])
+            self._results.append(encode_result(r) if r.copies else _NO_COPIES)
+        return r
+
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
+        t = self.store._seqs.get(seq_id)
+        before = t.num_registered if t is not None else None
+        self.store.mark_computed(seq_id, num_computed_tokens)  # raises on a bad seq or range
+        if t.num_registered != before:
+            self._ops.append(["mark_computed", int(seq_id), int(num_computed_tokens)])
+            self._results.append(None)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self.store.fork(parent_id, child_id)
+        self._ops.append(["fork", int(parent_id), int(child_id)])
+        self._results.append(None)
+
+    def free(self, seq_id: int) -> None:
+        self.store.free(seq_id)
+        self._ops.append(["free", int(seq_id)])
+        self._results.append(None)
+
+    def swap_out(self, seq_ids) -> SwapResult:
+        return self._swap("swap_out", [int(s) for s in seq_ids])
+
+    def swap_in(self, seq_ids) -> SwapResult:
+        return self._swap("swap_in", [int(s) for s in seq_ids])
+
+    def _swap(self, op: str, ids: list[int]) -> SwapResult:
+        r = getattr(self.store, op)(ids)
+        if r.ok:
+            self._ops.append([op, ids])
+            self._results.append(encode_result(r))
+        return r
+
+
+def _wire_keys(keys) -> list:
+    """Extra keys as msgpack gives them back (tuples become lists; the hash treats both alike)."""
+    return [_wire_keys(k) if isinstance(k, (tuple, list)) else k for k in keys]
+
+
+# ---- replay on the kvstore ---------------------------------------------------------------------
+
+def apply_ops(store: BlockStore, ops: list) -> list:
+    """Replay an op log on `store`; one encoded result per op.
+
+    ReplayError (nothing applied) for a malformed log; ReplicaDiverged when an op fails midway."""
+    plan = _plan(store, ops)
+    results = []
+    append = results.append
+    for i, (fn, args) in enumerate(plan):
+        try:
+            r = fn(*args)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise ReplicaDiverged(i, results, str(e)) from None
+        if r is None:
+            append(None)
+        elif type(r) is AppendResult and r.ok and not r.copies:
+            append(_NO_COPIES)
+        else:
+            append(encode_result(r))
+    return results
+
+
+def _plan(store: BlockStore, ops: Any) -> list[tuple]:
+    """Check every op against the store's state as the log would change it -> (method, args)."""
+    if type(ops) is not list:
+        raise ReplayError("ops must be a list")
+    shadow = _Shadow(store)
+    plan = []
+    for i, op in enumerate(ops):
+        if type(op) is not list or not op:
+            raise ReplayError(f"ops[{i}]: an op is a non-empty list [name, *args]")
+        check = _CHECKS.get(op[0]) if type(op[0]) is str else None
+        if check is None:
+            raise ReplayError(f"ops[{i}]: unknown op {op[0]!r}")
+        try:
+            args = check(shadow, op)
+        except ReplayError as e:
+            raise ReplayError(f"ops[{i}] ({op[0]}): {e}") from None
+        plan.append((getattr(store, op[0]), args))
+    return plan
+
+
+class _Shadow:
+    """Where each sequence touched by the log would be, and how many tokens it would hold."""
+
+    def __init__(self, store: BlockStore):
+        self.store = store
+        self.seqs: dict[int, list | None] = {}   # seq id -> [location, num_tokens]; None: absent
+
+    def get(self, seq_id: int) -> list | None:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            t = self.store._seqs.get(seq_id)
+            s = self.seqs[seq_id] = [t.location, t.num_tokens] if t is not None else None
+            return s
+
+    def existing(self, seq_id: Any, location: str | None = None) -> list:
+        if type(seq_id) is not int:
+            raise ReplayError(f"sequence id must be an int, not {type(seq_id).__name__}")
+        s = self.get(seq_id)
+        if s is None:
+            raise ReplayError(f"unknown sequence {seq_id}")
+        if location is not None and s[0] != location:
+            raise ReplayError(f"sequence {seq_id} is on {s[0]}, not {location}")
+        return s
+
+    def new(self, seq_id: Any) -> None:
+        if type(seq_id) is not int:
+            raise ReplayError(f"sequence id must be an int, not {type(seq_id).__name__}")
+        if self.get(seq_id) is not None:
+            raise ReplayError(f"sequence {seq_id} already exists")
+
+
+def _arity(op: list, lo: int, hi: int) -> None:
+    if not lo <= len(op) - 1 <= hi:
+        want = lo if lo == hi else f"{lo} to {hi}"
+        raise ReplayError(f"takes {want} arguments, got {len(op) - 1}")
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if type(value) is not list or not all(type(x) is int for x in value):
+        raise ReplayError(f"{what} must be a list of ints")
+    return value
+
+
+def _check_keys(keys: Any) -> None:
+    for k in keys:
+        if type(k) is list:
+            _check_keys(k)
+        elif k is not None and type(k) not in (int, str, bytes, float, bool):
+            raise ReplayError(f"extra key of type {type(k).__name__} has no stable encoding")
+
+
+def _check_allocate(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 2, 4)
+    seq_id, tokens = op[1], _int_list(op[2], "token_ids")
+    extra = op[3] if len(op) > 3 else []
+    max_total = op[4] if len(op) > 4 else None
+    shadow.new(seq_id)
+    if not tokens:
+        raise ReplayError("a sequence needs at least one token")
+    if type(extra) is not list:
+        raise ReplayError("extra_keys must be a list")
+    _check_keys(extra)
+    if max_total is not None and (type(max_total) is not int or max_total < 0):
+        raise ReplayError("max_total_tokens must be a non-negative int or None")
+    try:
+        shadow.store.policy.blocks_to_reserve(len(tokens), max_total, shadow.store.block_size)
+    except ValueError as e:
+        raise ReplayError(str(e)) from None
+    shadow.seqs[seq_id] = [DEVICE, len(tokens)]
+    return seq_id, tokens, tuple(extra), max_total
+
+
+def _check_append(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 2, 2)
+    s = shadow.existing(op[1], DEVICE)
+    s[1] += len(_int_list(op[2], "token_ids"))
+    return op[1], op[2]
+
+
+def _check_mark(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 2, 2)
+    s = shadow.existing(op[1], DEVICE)
+    n = op[2]
+    if type(n) is not int or not 0 <= n <= s[1]:
+        raise ReplayError(f"sequence {op[1]} has {s[1]} tokens, not {n!r} computed")
+    return op[1], n
+
+
+def _check_fork(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 2, 2)
+    parent = shadow.existing(op[1])
+    shadow.new(op[2])
+    shadow.seqs[op[2]] = list(parent)
+    return op[1], op[2]
+
+
+def _check_free(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 1, 1)
+    shadow.existing(op[1])
+    shadow.seqs[op[1]] = None
+    return (op[1],)
+
+
+def _swap_checker(src: str, dst: str):
+    def check(shadow: _Shadow, op: list) -> tuple:
+        _arity(op, 1, 1)
+        ids = _int_list(op[1], "seq_ids")
+        if len(set(ids)) != len(ids):
+            raise ReplayError(f"duplicate sequence ids in {ids}")
+        for s in [shadow.existing(i, src) for i in ids]:
+            s[0] = dst
+        return (ids,)
+    return check
+
+
+_CHECKS = {"allocate": _check_allocate, "append_slots": _check_append, "mark_computed": _check_mark,
+           "fork": _check_fork, "free": _check_free,
+           "swap_out": _swap_checker(DEVICE, HOST), "swap_in": _swap_checker(HOST, DEVICE)}
+assert set(_CHECKS) == set(OPS)

@@ -1,0 +1,202 @@
+"""Op-log replay: a pool-less mirror recorded by RecordingStore and a replica with pools stay equal.
+
+The random driver also plays the worker: after each batch it writes every sequence's new tokens
+into the replica's device pool, so copy-on-write copies, swaps and prefix hits are checked on the
+bytes (each slot must hold its token), not only on the bookkeeping.
+"""
+import random
+
+import pytest
+import torch
+
+from kvstore.pool import BlockPool, unique_pool_name
+from kvstore.replay import (OPS, RecordingStore, ReplayError, ReplicaDiverged, apply_ops,
+                            encode_result)
+from kvstore.store import AllocResult, AppendResult, BlockStore, SwapResult
+
+B, DEVICE_BLOCKS, HOST_BLOCKS = 4, 24, 12
+
+
+@pytest.fixture
+def pools():
+    made = [BlockPool.create(unique_pool_name(role), n, B) for role, n in
+            (("device", DEVICE_BLOCKS), ("host", HOST_BLOCKS))]
+    yield made
+    for p in made:
+        p.close()
+        p.unlink()
+
+
+def mirror(**kw) -> RecordingStore:
+    return RecordingStore(BlockStore(DEVICE_BLOCKS, HOST_BLOCKS, B, **kw))
+
+
+def replica(pools, **kw) -> BlockStore:
+    return BlockStore(DEVICE_BLOCKS, HOST_BLOCKS, B, device_pools=[pools[0]], host_pools=[pools[1]], **kw)
+
+
+def slot_byte(token: int) -> int:
+    return token % 251 + 1   # never 0: a slot nobody wrote reads 0
+
+
+class Driver:
+    """Random block operations on a mirror, replayed in batches on a replica with pools."""
+
+    def __init__(self, seed: int, pools, prefix_caching: bool):
+        self.rng = random.Random(seed)
+        self.mirror = mirror(enable_prefix_caching=prefix_caching)
+        self.replica = replica(pools, enable_prefix_caching=prefix_caching)
+        self.pools = pools
+        self.written: dict[int, int] = {}   # seq id -> tokens whose bytes are in the pool
+        self.next_id = 0
+        self.prefixes = [[self.rng.randrange(50) for _ in range(9)] for _ in range(3)]
+
+    def seqs(self, location=None) -> list[int]:
+        return [s for s in self.mirror.seq_ids() if location is None or self.mirror.location(s) == location]
+
+    def random_op(self) -> None:
+        rng, m = self.rng, self.mirror
+        kind = rng.choice(OPS + ("allocate", "append_slots", "bad"))
+        if m.num_free_device_blocks < 4 and rng.random() < 0.4:
+            kind = "free"   # keep memory churning, so the LRU evicts and the tail of a run is not all failures
+        dev, host = self.seqs("device"), self.seqs("host")
+        if kind == "allocate":
+            prompt = rng.choice(self.prefixes)[:rng.randint(1, 9)] + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
+            seq_id, self.next_id = self.next_id, self.next_id + 1
+            r = m.allocate(seq_id, prompt, rng.choice([(), ("salt",)]))
+            if r.ok:
+                self.written[seq_id] = r.num_cached_tokens
+        elif kind == "append_slots" and dev:
+            m.append_slots(rng.choice(dev), [rng.randrange(50) for _ in range(rng.randint(0, 3))])
+        elif kind == "mark_computed" and dev:
+            s = rng.choice(dev)
+            m.mark_computed(s, rng.randint(0, self.written[s]))
+        elif kind == "fork" and self.seqs():
+            parent, child = rng.choice(self.seqs()), self.next_id
+            self.next_id += 1
+            m.fork(parent, child)
+            self.written[child] = self.written[parent]
+        elif kind == "free" and self.seqs():
+            s = rng.choice(self.seqs())
+            m.free(s)
+            del self.written[s]
+        elif kind == "swap_out" and dev:
+            m.swap_out(rng.sample(dev, rng.randint(1, min(2, len(dev)))))
+        elif kind == "swap_in" and host:
+            m.swap_in(rng.sample(host, rng.randint(1, min(2, len(host)))))
+        elif kind == "bad":   # a programming error raises on the mirror and must not be recorded
+            with pytest.raises(ValueError):
+                m.free(10_000)
+
+    def flush(self) -> None:
+        ops, expected = self.mirror.drain()
+        assert apply_ops(self.replica, ops) == expected
+        assert self.mirror.stats() == self.replica.stats()
+        for s in self.seqs():
+            assert self.replica.block_table(s) == self.mirror.block_table(s)
+            assert self.replica.location(s) == self.mirror.location(s)
+        self.check_bytes()
+        self.write_new_tokens()
+
+    def slots(self, s: int, end: int) -> tuple[torch.Tensor, list[int]]:
+        pool = self.pools[0] if self.replica.location(s) == "device" else self.pools[1]
+        return pool.blocks.view(-1), self.replica.slot_mapping(s, 0, end)
+
+    def check_bytes(self) -> None:
+        for s in self.seqs():
+            flat, slots = self.slots(s, self.written[s])
+            tokens = self.replica.token_ids(s)
+            assert flat[slots].tolist() == [slot_byte(t) for t in tokens[:len(slots)]], f"seq {s}"
+
+    def write_new_tokens(self) -> None:
+        for s in self.seqs("device"):
+            n = self.replica.num_tokens(s)
+            flat, slots = self.slots(s, n)
+            tokens = self.replica.token_ids(s)
+            for p in range(self.written[s], n):
+                flat[slots[p]] = slot_byte(tokens[p])
+            self.written[s] = n
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_logs_replay_to_identical_state_and_bytes(seed, prefix_caching, pools):
+    d = Driver(seed, pools, prefix_caching)
+    for _ in range(60):
+        for _ in range(d.rng.randint(1, 8)):
+            d.random_op()
+        d.flush()
+    d.replica.check_invariants()
+    stats = d.replica.stats()
+    # The driver must actually exercise sharing, swapping and (with caching) prefix hits.
+    assert stats["cow_copies"] > 0 and stats["swap_outs"] > 0 and stats["swap_ins"] > 0
+    assert (stats["prefix_hit_tokens"] > 0) == prefix_caching
+
+
+def test_recording_store_has_every_public_name_of_block_store():
+    store = BlockStore(4, 0, B)
+    rec = RecordingStore(store)
+    missing = [n for n in dir(store) if not n.startswith("_") and not hasattr(rec, n)]
+    assert missing == []
+    assert rec.block_size == B and rec.num_free_device_blocks == 4 and 0 not in rec
+
+
+def test_only_state_changes_are_recorded():
+    m = RecordingStore(BlockStore(2, 0, B))
+    assert m.allocate(0, list(range(5))).ok                      # 2 blocks
+    assert not m.allocate(1, [1]).ok                             # pool full: changes nothing
+    assert not m.append_slots(0, [1, 2, 3, 4]).ok                # needs a third block
+    m.append_slots(0, [])                                        # empty
+    m.mark_computed(0, 3)                                        # no full block yet
+    m.mark_computed(0, 4)                                        # registers block 0
+    m.mark_computed(0, 5)                                        # nothing new to register
+    ops, results = m.drain()
+    assert ops == [["allocate", 0, [0, 1, 2, 3, 4], [], None], ["mark_computed", 0, 4]]
+    assert results == [[True, 0], None]
+    assert m.drain() == ([], [])
+
+
+def test_encode_result_uses_plain_lists():
+    assert encode_result(AllocResult(True, 16)) == [True, 16]
+    assert encode_result(AppendResult(True, [(1, 2)])) == [True, [[1, 2]]]
+    assert encode_result(SwapResult(False, [], "full")) == [False, []]
+    assert encode_result(None) is None
+    with pytest.raises(TypeError):
+        encode_result(3)
+
+
+def snapshot(store: BlockStore):
+    return store.stats(), {s: (store.block_table(s), store.num_tokens(s)) for s in store.seq_ids()}
+
+
+@pytest.mark.parametrize("bad", [
+    "not a list", [["nope", 1]], [[]], [[3]], [["free"]], [["free", 0, 1]], [["free", "0"]],
+    [["free", True]], [["allocate", 5, []]], [["allocate", 5, [1, "x"]]], [["allocate", 0, [1]]],
+    [["allocate", 5, [1], [{"k": 1}]]], [["allocate", 5, [1], [], -1]], [["append_slots", 9, [1]]],
+    [["mark_computed", 0, 6]], [["swap_in", [0]]], [["swap_out", [0, 0]]], [["fork", 0, 0]],
+    # Valid ops first, then one that is wrong *given them*: none of the batch may apply.
+    [["append_slots", 0, [7]], ["free", 0], ["append_slots", 0, [1]]],
+    [["fork", 0, 1], ["swap_out", [0, 1]], ["mark_computed", 1, 1]],
+    [["allocate", 2, [1, 2]], ["allocate", 2, [3]]],
+])
+def test_malformed_logs_change_nothing(bad, pools):
+    store = replica(pools)
+    assert store.allocate(0, [1, 2, 3, 4, 5]).ok
+    before = snapshot(store)
+    with pytest.raises(ReplayError):
+        apply_ops(store, bad)
+    assert snapshot(store) == before
+
+
+def test_a_replica_that_drifted_reports_where(pools):
+    m = mirror()
+    m.allocate(0, list(range(DEVICE_BLOCKS * B)))
+    m.free(0)
+    m.allocate(1, [1, 2])
+    m.append_slots(1, [3])
+    ops, _ = m.drain()
+    store = replica(pools)
+    store.allocate(7, [1] * B * 2)   # an op the mirror never saw: the replica lacks two blocks
+    with pytest.raises(ReplicaDiverged) as e:
+        apply_ops(store, ops)
+    assert e.value.index == 1 and e.value.results == [[False, 0]]
