@@ -253,6 +253,8 @@ def test_max_length_turns_the_best_running_into_results_and_respects_max_model_l
 
 def test_misuse_is_refused():
     with pytest.raises(BeamSearchError):
+        _search(k=1)                    # HF's num_beams=1 is greedy decoding
+    with pytest.raises(BeamSearchError):
         _search(k=2, n=3)
     with pytest.raises(BeamSearchError):
         _search(es="sometimes")
@@ -263,3 +265,36 @@ def test_misuse_is_refused():
         bs.step({})
     with pytest.raises(BeamSearchError):
         bs.start(1)
+
+
+def test_scores_are_float32_sums_like_hf():
+    # -1 - 2**-24 rounds to -1.0 in float32: the two continuations tie and the earlier beam wins.
+    # In float64 the second beam's would be ahead.
+    bs = _search(k=2)
+    bs.step({0: [(5, -1.0), (6, -1.0), (7, -3.0), (8, -4.0)]})
+    bs.step({0: [(7, -2.0 ** -24), (1, -9.0)], 10: [(8, 0.0), (2, -9.0)]})
+    assert [(b.token_ids, b.cum_logprob) for b in bs.running()] == [([5, 7], -1.0), ([6, 8], -1.0)]
+
+
+def test_running_score_equal_to_worst_finished_cannot_improve():
+    bs = _search(k=2, eos=(1, 2))          # two EOS ids: 6 candidates per beam
+    res = bs.step({0: [(1, -0.5), (2, -0.5), (5, -0.5), (6, -0.5), (7, -2.0), (8, -3.0)]})
+    assert res.done and bs.results() == [([1], -0.5), ([2], -0.5)]
+
+
+@pytest.mark.parametrize("es,lp,logprob_of_4,done", [
+    (False, 1.0, -4.9, True),      # best running -5.0 / 2 is not above the worst finished -1.8
+    ("never", 1.0, -4.9, False),   # ... but -5.0 / 4 (max length) is
+    ("never", -0.5, -0.9, False),  # lp <= 0: "never" uses the current length, -1.0 * 2**0.5 > -1.8
+    (True, 1.0, -0.9, True),       # two finished: done whatever the running beams could do
+])
+def test_early_stopping_heuristics(es, lp, logprob_of_4, done):
+    bs = _search(k=2, lp=lp, es=es, max_new=4)
+    # step 1: EOS (9) second best -> one finished hypothesis [9] of length 1, score -1.8
+    res = bs.step({0: [(5, -0.1), (9, -1.8), (6, -2.0), (7, -3.0)]})
+    assert not res.done
+    # step 2: [5, 9] finishes (cum -0.7), [5, 4] is the best running beam
+    res = bs.step({0: [(9, -0.6), (4, logprob_of_4)], 10: [(3, -4.0), (2, -5.0)]})
+    assert res.done is done
+    if done:
+        assert [tokens for tokens, _ in bs.results()] == [[5, 9], [9]]

@@ -11,7 +11,9 @@ transformers >= 4.50 / 5.x, batch size 1) token for token, with its float32 arit
   -1e9, so only beam 0's tokens can be picked at step one).
 * Each step, every running beam's cumulative log-probability is added to its raw log_softmax over
   the vocabulary; the best `beams_to_keep = max(2, 1 + len(eos_token_ids)) * k` continuations over
-  all beams are kept, ordered by score, ties by (beam position, token id) as the flattened topk.
+  all beams are kept, ordered by score. Exact float32 ties go to the lower (beam position, token
+  id), the flattened index; torch.topk leaves the order of exact ties unspecified, so only there
+  can HF pick differently (real models' log-probabilities practically never tie exactly).
 * A continuation "hits a stop" when its token is an EOS id or the sequence reaches the maximum
   length (prompt_len + max_new_tokens, capped by max_model_len when given: HF only warns past the
   model's positions, an engine cannot go there, so it ends the search as max_length would).
@@ -19,7 +21,7 @@ transformers >= 4.50 / 5.x, batch size 1) token for token, with its float32 arit
 * Only stop-hitting continuations among the first k become finished hypotheses, scored
   cum_logprob / generated_len ** length_penalty (generated_len counts the new token, EOS included,
   and not the prompt); they are merged with the earlier finished ones and the best k are kept
-  (earlier ones win ties). EOS continuations ranked k+1..beams_to_keep are dropped.
+  (earlier ones first on ties). EOS continuations ranked k+1..beams_to_keep are dropped.
 * At the maximum length every continuation hits a stop, so the first k of the last step are the
   "running beams considered finished". Running beams are never added when the search ends earlier.
 * The search ends after a step when all kept continuations hit a stop (the maximum length), or,
@@ -34,6 +36,13 @@ transformers >= 4.50 / 5.x, batch size 1) token for token, with its float32 arit
 Float arithmetic: HF keeps scores in float32 tensors. Every sum and division here is rounded to
 float32 the same way (an IEEE add/divide done in double and rounded once to float32 is the correctly
 rounded float32 result), so near-ties order as they do in HF.
+
+API: BeamSearch(beam_width >= 2, length_penalty, early_stopping (True | False | "never"),
+max_new_tokens, prompt_len, eos_token_ids, new_beam_id, num_return=1, max_model_len=None);
+.candidates_per_beam; start(first_beam_id); running() -> [Beam]; step({beam_id: [(token, logprob)]})
+-> BeamStepResult(running=[(new_id, parent_id, token, cum_logprob)], freed=[ids], done);
+results() -> [(token_ids, score)]. The log-probabilities must be log_softmax of the beam's last
+logits cast to float32 (HF casts before log_softmax), before any sampling transform.
 
 Driving it (the scheduler):
     bs = BeamSearch(beam_width=4, length_penalty=1.0, early_stopping=False, max_new_tokens=32,
