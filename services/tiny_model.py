@@ -62,30 +62,36 @@ def train_tokenizer(vocab_size: int):
     return fast
 
 
-def tiny_config(arch: str, vocab_size: int, max_len: int):
-    """Small but not degenerate: GQA for llama/qwen2, biases for qwen2 and opt."""
+def tiny_config(arch: str, vocab_size: int, max_len: int, hidden_size: int = 128):
+    """Small but not degenerate: GQA for llama/qwen2, biases for qwen2 and opt.
+
+    hidden_size scales the widths (MLP 2x hidden, 4 heads of hidden/4); benchmarks use 256."""
     from transformers import LlamaConfig, OPTConfig, Qwen2Config
+
+    if hidden_size < 8 or hidden_size % 4:
+        raise TinyModelError(f"hidden_size must be a multiple of 4 and at least 8, got {hidden_size}")
+    h = hidden_size
 
     common = dict(vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                   max_position_embeddings=max_len)
     if arch == "llama":
-        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        return LlamaConfig(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
                            tie_word_embeddings=False, architectures=["LlamaForCausalLM"], **common)
     if arch == "qwen2":
-        return Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        return Qwen2Config(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2,
                            tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"],
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **common)
     if arch == "opt":
-        return OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
-                         word_embed_proj_dim=128, do_layer_norm_before=True, dropout=0.0,
+        return OPTConfig(hidden_size=h, ffn_dim=2 * h, num_hidden_layers=2, num_attention_heads=4,
+                         word_embed_proj_dim=h, do_layer_norm_before=True, dropout=0.0,
                          architectures=["OPTForCausalLM"], **common)
     raise TinyModelError(f"unsupported architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
 def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                     vocab_size: int = 2048, max_len: int = 1024) -> Path:
+                     vocab_size: int = 2048, max_len: int = 1024, hidden_size: int = 128) -> Path:
     """Write the folder; refuses a non-empty one so nothing of the user's is overwritten."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -96,7 +102,7 @@ def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise TinyModelError(f"{out} exists and is not an empty folder")
     tokenizer = train_tokenizer(vocab_size)
-    config = tiny_config(arch, len(tokenizer), max_len)
+    config = tiny_config(arch, len(tokenizer), max_len, hidden_size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
