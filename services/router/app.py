@@ -1,0 +1,236 @@
+"""The router's FastAPI app: routes, error handlers, auth, and the context they share.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (live),
+GET /ready (a scheduler answers Ping with ready=True), GET /metrics (Prometheus), GET /v1/kv (the
+block store's stats), GET /v1/requests/{id}, POST /v1/requests/{id}/cancel (and DELETE
+/v1/requests/{id}): any router can report on or cancel a request made through another one.
+Every error, FastAPI's own included, leaves in the OpenAI shape (services.router.errors).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.router.chat import create_chat_completion
+from services.router.completions import create_completion
+from services.router.detokenizer import TokenTexts, fast_decoder
+from services.router.errors import APIError, bad_request, error_body
+from services.router.metrics import CONTENT_TYPE, RouterMetrics
+from services.router.model_info import ModelInfo
+from services.router.openai_schema import validation_error
+from services.router.replicas import Backends
+from services.state import StateStore
+
+log = logging.getLogger("pagedserve.router")
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class RouterContext:
+    """Everything a request handler needs; one per app."""
+
+    def __init__(self, config, info: ModelInfo, state: StateStore):
+        self.config = config
+        self.info = info
+        self.state = state
+        self.router_id = config.router_id
+        self.model_name = config.served_model_name or config.model
+        self.served_names = {self.model_name}
+        self.max_batch_prompts = 64
+        self.decode = fast_decoder(info.tokenizer)
+        self.token_texts = TokenTexts(self.decode)
+        self.metrics = RouterMetrics(self.model_name)
+        self.backends: Backends | None = None
+        self.zmq_ctx: zmq.asyncio.Context | None = None
+
+    # ---- lifecycle (inside the server's event loop) ---------------------------------------------
+    def start(self) -> None:
+        self.zmq_ctx = zmq.asyncio.Context()
+        self.backends = Backends(self.router_id, self.zmq_ctx, self.state, self.config.scheduler_endpoint,
+                                 self.config.ping_interval_s, self.config.scheduler_timeout_s)
+        self.backends.start()
+
+    async def stop(self) -> None:
+        if self.backends is not None:
+            await self.backends.close()
+        if self.zmq_ctx is not None:
+            self.zmq_ctx.term()
+
+    # ---- checks shared by the endpoints ---------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.info.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def check_length(self, prompt_len: int, max_tokens: int, prompt_param: str) -> None:
+        limit = self.info.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                              f"{prompt_param} has {prompt_len} tokens, leaving no room for a completion.",
+                              prompt_param)
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and prompt_len + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
+                              f"{max_tokens} in the completion). Please reduce the length of the "
+                              f"{prompt_param} or completion.", "max_tokens")
+
+    def new_request_id(self, request: Request, prefix: str) -> str:
+        given = request.headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not REQUEST_ID_RE.match(given):
+            raise bad_request("X-Request-Id must be 1-128 characters of letters, digits and . _ : -",
+                              "X-Request-Id")
+        return given
+
+    def authorize(self, request: Request, count: bool = True) -> None:
+        """API key and rate limit, when the router was started with --require-api-key."""
+        if not self.config.require_api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not key:
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.")
+        info = self.state.check_api_key(key)
+        if info is None:
+            raise APIError(401, "Incorrect API key provided.")
+        limit = info.get("rate_limit", self.config.rate_limit)
+        if count and limit:
+            decision = self.state.hit_rate_limit(key, int(limit), self.config.rate_limit_window_s)
+            if not decision.allowed:
+                raise APIError(429, f"Rate limit reached: {limit} requests per "
+                                    f"{self.config.rate_limit_window_s:g} s.",
+                               headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
+
+    async def engine_stats(self) -> list[tuple[str, dict]]:
+        """(replica id, StatsReply.stats) of every scheduler that answers within the timeout."""
+        targets = self.backends.targets()
+        replies = await asyncio.gather(*(self.backends.client(ep).stats(self.config.stats_timeout_s)
+                                         for _, ep in targets))
+        return [(rid, s) for (rid, _), s in zip(targets, replies) if s is not None]
+
+
+def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
+    ctx = RouterContext(config, info, state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.start()
+        try:
+            yield
+        finally:
+            await ctx.stop()
+
+    app = FastAPI(title="pagedserve router", lifespan=lifespan)
+    app.state.ctx = ctx
+
+    # ---- errors ------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        ctx.metrics.error(exc.status)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        ctx.metrics.error(400)
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        ctx.metrics.error(500)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+    # ---- generation --------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(ctx, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(ctx, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        ctx.authorize(request, count=False)
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
+            "root": ctx.info.path, "parent": None, "max_model_len": ctx.info.max_model_len}
+            for name in sorted(ctx.served_names)]}
+
+    # ---- health and stats --------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        targets = ctx.backends.targets()
+        pongs = await asyncio.gather(*(ctx.backends.client(ep).ping(ctx.config.ready_timeout_s)
+                                       for _, ep in targets))
+        ready_ids = [rid for (rid, _), p in zip(targets, pongs) if p is not None and p.ready]
+        body = {"status": "ready" if ready_ids else "not ready", "replicas": len(targets),
+                "ready_replicas": ready_ids}
+        return JSONResponse(body, status_code=200 if ready_ids else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = [s for _, s in await ctx.engine_stats()]
+        return Response(ctx.metrics.expose(stats), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/kv")
+    async def kv(request: Request):
+        ctx.authorize(request, count=False)
+        stats = await ctx.engine_stats()
+        if not stats:
+            raise APIError(503, "no engine replica answered GetStats")
+        if ctx.config.scheduler_endpoint:
+            return stats[0][1].get("kv", {})
+        return {rid: s.get("kv", {}) for rid, s in stats}
+
+    # ---- request records ---------------------------------------------------------------------
+    def _record(request_id: str) -> dict:
+        record = ctx.state.get_request(request_id)
+        if record is None:
+            raise APIError(404, f"no request {request_id!r} (unknown, or its record expired)", "request_id")
+        return record
+
+    @app.get("/v1/requests/{request_id}")
+    async def get_request(request_id: str, request: Request):
+        ctx.authorize(request, count=False)
+        return _record(request_id)
+
+    async def _cancel(request_id: str, request: Request):
+        ctx.authorize(request, count=False)
+        record = _record(request_id)
+        if record.get("status") != "running":
+            return record
+        client = ctx.backends.client(record["replica_endpoint"])
+        try:
+            for bid in record.get("backend_ids") or [request_id]:
+                await client.abort(bid)
+        except Exception as e:   # SchedulerUnavailable: the replica is gone, and its requests with it
+            raise APIError(503, f"could not reach the request's engine: {e}") from None
+        ctx.state.update_request_status(request_id, "cancelled", cancelled_by=ctx.router_id)
+        return _record(request_id)
+
+    app.add_api_route("/v1/requests/{request_id}/cancel", _cancel, methods=["POST"])
+    app.add_api_route("/v1/requests/{request_id}", _cancel, methods=["DELETE"])
+    return app

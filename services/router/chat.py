@@ -1,0 +1,111 @@
+"""POST /v1/chat/completions: the model's chat template, and the chat.completion JSON shapes."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from services.router.choices import ChoiceEvent
+from services.router.errors import bad_request
+from services.router.generation import Generation
+from services.router.openai_schema import ChatCompletionRequest, parse_body, sampling_params
+from services.router.responses import best_choices, respond, usage
+from services.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from services.router.app import RouterContext
+
+
+async def create_chat_completion(ctx: "RouterContext", request):
+    ctx.authorize(request)
+    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
+    prompt_ids = render_prompt(ctx, req)
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # No max_tokens in chat means "the rest of the context", as in vLLM.
+    max_tokens = asked if asked is not None else ctx.info.max_model_len - len(prompt_ids)
+    ctx.check_length(len(prompt_ids), max_tokens, "messages")
+    params, n = sampling_params(req, max_tokens=max_tokens,
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    request_id = ctx.new_request_id(request, "chatcmpl")
+    gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat")
+    await gen.start()
+    fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
+                        (req.top_logprobs or 0) if req.logprobs else None)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
+
+
+def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" for p in content):
+                raise bad_request("only text content parts are supported", f"messages[{i}].content")
+            content = "".join(p.text or "" for p in content)
+        messages.append({"role": m.role, "content": content or ""})
+    tok = ctx.info.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+    except Exception as e:  # jinja raises its own types for templates that reject the messages
+        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    # Templates that write the BOS themselves must not get a second one from the tokenizer.
+    bos = ctx.info.bos_token
+    ids = ctx.tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
+    if not ids:
+        raise bad_request("the rendered prompt is empty", "messages")
+    return ids
+
+
+class ChatFormatter:
+    def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None):
+        self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
+        self.top = top_logprobs          # None: no logprobs asked
+        self.created = int(time.time())
+
+    def _base(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+
+    def _entry(self, token_id: int, logprob) -> dict:
+        text = self.ctx.token_texts.text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, entries) -> dict | None:
+        if self.top is None:
+            return None
+        return {"content": [{**self._entry(e.token_id, e.logprob),
+                             "top_logprobs": [self._entry(t, lp) for t, lp in e.top[:self.top]]}
+                            for e in entries]}
+
+    def start_chunks(self) -> list[dict]:
+        return [{**self._base(), "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                for c in self.gen.all_choices]
+
+    def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
+        out = []
+        for ev in events:
+            if not ev.text and ev.finish_reason is None and not (self.top is not None and ev.logprobs):
+                continue
+            out.append({**self._base(), "choices": [{
+                "index": ev.index, "delta": {"content": ev.text} if ev.text else {},
+                "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason}]})
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {**self._base(), "choices": [], "usage": usage(self.gen, self.gen.all_choices)}
+
+    def final(self) -> dict:
+        picked = best_choices(self.gen, self.n)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                             "stop_reason": c.stops.matched}
+                            for i, c in enumerate(picked)],
+                "usage": usage(self.gen, picked)}

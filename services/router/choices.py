@@ -1,0 +1,99 @@
+"""One choice of a request, as the router builds it from the scheduler's token deltas.
+
+Owns the choice's token ids, its released text (after detokenizing and stop strings), its logprob
+entries and its finish reason. Streaming and non-streaming responses are both made from the
+ChoiceEvents this produces, so their texts are equal by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.protocol import CompletionDelta
+from services.router.detokenizer import IncrementalDetokenizer
+from services.router.stop_strings import StopStrings
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float | None
+    top: list                  # [(token id, logprob), ...] of the top alternatives
+    text_offset: int           # where this token's text starts in the choice's text
+
+
+@dataclass
+class ChoiceEvent:
+    """What changed in one choice with one update: text to send, tokens' logprobs, maybe the end."""
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_new_tokens: int = 0
+
+
+class ChoiceState:
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer, stops: StopStrings,
+                 stop_token_ids: set[int]):
+        self.index = index
+        self.detok = detokenizer
+        self.stops = stops
+        # Tokens that end a sequence with "stop" (EOS, stop_token_ids): counted, never shown (as vLLM).
+        self.stop_token_ids = stop_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.decoded_len = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.cumulative_logprob = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, delta: CompletionDelta) -> ChoiceEvent:
+        parts: list[str] = []
+        new_lps: list[TokenLogprob] = []
+        matched = False
+        ids = delta.token_ids
+        for k, tid in enumerate(ids):
+            self.token_ids.append(tid)
+            entry = TokenLogprob(tid, _at(delta.logprobs, k), [tuple(p) for p in (_at(delta.top_logprobs, k) or [])],
+                                 self.decoded_len)
+            self.logprobs.append(entry)
+            new_lps.append(entry)
+            is_stop_token = k == len(ids) - 1 and delta.finish_reason == "stop" and tid in self.stop_token_ids
+            if is_stop_token:
+                continue
+            piece = self.detok.push(tid)
+            self.decoded_len += len(piece)
+            out, matched = self.stops.feed(piece)
+            parts.append(out)
+            if matched:
+                break      # tokens after the one that completed a stop string are dropped
+        if matched:
+            self.finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            tail = self.detok.flush()
+            self.decoded_len += len(tail)
+            out, matched = self.stops.feed(tail)
+            parts.append(out)
+            if not matched:
+                parts.append(self.stops.flush())
+            self.finish_reason = "stop" if matched else delta.finish_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+        text = "".join(parts)
+        self.text += text
+        return ChoiceEvent(self.index, text, new_lps, self.finish_reason, len(new_lps))
+
+    def finish(self, reason: str) -> ChoiceEvent:
+        """End the choice from the router's side (its request ended without a word on it)."""
+        tail = self.detok.flush()
+        out, matched = self.stops.feed(tail)
+        text = out + ("" if matched else self.stops.flush())
+        self.text += text
+        self.finish_reason = "stop" if matched else reason
+        return ChoiceEvent(self.index, text, [], self.finish_reason)
+
+
+def _at(values, k):
+    return values[k] if values is not None and k < len(values) else None

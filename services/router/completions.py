@@ -1,0 +1,118 @@
+"""POST /v1/completions: prompt checks, SamplingParams, and the text_completion JSON shapes."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from services.router.choices import ChoiceEvent, ChoiceState
+from services.router.errors import bad_request
+from services.router.generation import Generation
+from services.router.openai_schema import CompletionRequest, parse_body, sampling_params
+from services.router.responses import best_choices, respond, usage
+
+if TYPE_CHECKING:
+    from services.router.app import RouterContext
+
+
+async def create_completion(ctx: "RouterContext", request):
+    ctx.authorize(request)
+    req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+    ctx.check_model(req.model)
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported", "echo")
+    prompts = tokenize_prompts(ctx, req.prompt)
+    longest = max(len(p) for p in prompts)
+    max_tokens = req.max_tokens if req.max_tokens is not None else ctx.info.max_model_len - longest
+    ctx.check_length(longest, max_tokens, "prompt")
+    params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    request_id = ctx.new_request_id(request, "cmpl")
+    gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion")
+    await gen.start()
+    echo = [ctx.decode(p, params.skip_special_tokens) for p in prompts] if req.echo else None
+    fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
+
+
+def tokenize_prompts(ctx: "RouterContext", prompt) -> list[list[int]]:
+    """str | list[int] | list[str] | list[list[int]] -> token ids per prompt, each checked."""
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(items) > ctx.max_batch_prompts:
+        raise bad_request(f"at most {ctx.max_batch_prompts} prompts per request, got {len(items)}", "prompt")
+    out = []
+    for item in items:
+        ids = ctx.tokenize(item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise bad_request("prompt must not be empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < ctx.info.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {ctx.info.vocab_size})", "prompt")
+        out.append(ids)
+    return out
+
+
+class CompletionFormatter:
+    def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, logprobs: int | None,
+                 echo: list[str] | None):
+        self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
+        self.logprobs = logprobs
+        self.echo = echo
+        self.created = int(time.time())
+
+    def _base(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+
+    def _logprobs(self, entries, choice_offset: int = 0) -> dict | None:
+        if self.logprobs is None:
+            return None
+        text = self.ctx.token_texts.text
+        tops = []
+        for e in entries:
+            top = {text(e.token_id): e.logprob}
+            top.update({text(tid): lp for tid, lp in e.top[:self.logprobs]})
+            tops.append(top)
+        return {"tokens": [text(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": tops,
+                "text_offset": [choice_offset + e.text_offset for e in entries]}
+
+    def _prompt_of(self, index: int) -> int:
+        return index // self.gen.params.n
+
+    def start_chunks(self) -> list[dict]:
+        if not self.echo:
+            return []
+        return [{**self._base(), "choices": [{"index": c.index, "text": self.echo[self._prompt_of(c.index)],
+                                              "logprobs": None, "finish_reason": None}]}
+                for c in self.gen.all_choices]
+
+    def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
+        out = []
+        for ev in events:
+            if not ev.text and ev.finish_reason is None and not (self.logprobs is not None and ev.logprobs):
+                continue
+            out.append({**self._base(), "choices": [{
+                "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs),
+                "finish_reason": ev.finish_reason}]})
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {**self._base(), "choices": [], "usage": usage(self.gen, self.gen.all_choices)}
+
+    def final(self) -> dict:
+        picked: list[ChoiceState] = best_choices(self.gen, self.n)
+        choices = []
+        for i, c in enumerate(picked):
+            prefix = self.echo[self._prompt_of(c.index)] if self.echo else ""
+            choices.append({"index": i, "text": prefix + c.text, "logprobs": self._logprobs(c.logprobs),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stops.matched})
+        return {**self._base(), "choices": choices, "usage": usage(self.gen, picked)}

@@ -1,0 +1,204 @@
+"""One HTTP request's work on an engine replica: submit, follow the deltas, abort, record.
+
+Owns the request's backend ids (one scheduler request per prompt), the queue the scheduler
+client fills for them, the per-choice states, the request record in the shared state and the
+request's metrics. Completions and chat both drive a Generation; only their JSON differs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from services import protocol
+from services.router.choices import ChoiceEvent, ChoiceState
+from services.router.detokenizer import IncrementalDetokenizer
+from services.router.errors import APIError
+from services.router.scheduler_client import Failure, SchedulerUnavailable
+from services.router.stop_strings import StopStrings
+from services.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.router.app import RouterContext
+
+log = logging.getLogger("pagedserve.router")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the request was aborted."""
+
+
+class _Disconnected:
+    pass
+
+
+class Generation:
+    def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
+                 params: SamplingParams, include_stop_str: bool = False, kind: str = "completion"):
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.kind = kind
+        self.backend_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(ctx.info.eos_token_ids))
+        self.choices: list[list[ChoiceState]] = [
+            [ChoiceState(p * params.n + i,
+                         IncrementalDetokenizer(ctx.decode, ids, params.skip_special_tokens),
+                         StopStrings(params.stop, include_stop_str), stop_ids)
+             for i in range(params.n)]
+            for p, ids in enumerate(prompts)]
+        self.done: set[int] = set()          # prompt indices whose backend request is over
+        self.client = None
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.error: APIError | None = None
+        self.aborted = False
+        self.closed = False
+        self.num_cached_tokens = 0
+
+    @property
+    def all_choices(self) -> list[ChoiceState]:
+        return [c for per_prompt in self.choices for c in per_prompt]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    # ---- submit --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        ctx = self.ctx
+        client = ctx.backends.pick(self.prompts[0])
+        if not ctx.state.put_request(self.request_id, ctx.router_id, client.endpoint, "running",
+                                     backend_ids=self.backend_ids, kind=self.kind, model=ctx.model_name):
+            raise APIError(409, f"request id {self.request_id!r} is already in use", "X-Request-Id")
+        self.client = client
+        ctx.backends.started(client.endpoint)
+        wire = self.params.to_dict()
+        try:
+            for bid, ids in zip(self.backend_ids, self.prompts):
+                client.subscribe(bid, self.queue)
+                await client.add(protocol.AddRequest(bid, ids, wire, time.time()))
+        except SchedulerUnavailable as e:
+            self.close(APIError(503, str(e)))
+            raise self.error from None
+
+    # ---- follow --------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[list[ChoiceEvent]]:
+        """Yields the choice events of each scheduler update until every choice is over.
+
+        Raises APIError for a rejected or failed request, ClientDisconnected if the client left."""
+        while len(self.done) < len(self.prompts):
+            msg = await self.queue.get()
+            if isinstance(msg, _Disconnected):
+                raise ClientDisconnected()
+            if isinstance(msg, Failure):
+                raise self._fail(APIError(msg.status, msg.message))
+            if isinstance(msg, protocol.Error):
+                raise self._fail(APIError(msg.code if 400 <= msg.code < 600 else 500, msg.message, msg.param))
+            yield self._apply(msg)
+
+    def _apply(self, update: protocol.RequestUpdate) -> list[ChoiceEvent]:
+        try:
+            p = self.backend_ids.index(update.request_id)
+        except ValueError:
+            return []
+        if update.error:
+            raise self._fail(APIError(503, f"the engine failed the request: {update.error}"))
+        now = time.monotonic()
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        choices = self.choices[p]
+        events = []
+        new_tokens = 0
+        for delta in update.outputs:
+            if not 0 <= delta.index < len(choices) or choices[delta.index].finished:
+                continue
+            event = choices[delta.index].apply(delta)
+            new_tokens = max(new_tokens, event.num_new_tokens)
+            events.append(event)
+        if new_tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.ctx.metrics.ttft.observe(now - self.arrival)
+            elif self.last_token_at is not None:
+                self.ctx.metrics.itl.observe((now - self.last_token_at) / new_tokens)
+            self.last_token_at = now
+        if update.finished:
+            self.done.add(p)
+            events.extend(c.finish("abort") for c in choices if not c.finished)
+        elif all(c.finished for c in choices):
+            # Every choice ended on a stop string: the scheduler need not run this prompt further.
+            self.done.add(p)
+            self.client.abort_soon(self.backend_ids[p])
+        return events
+
+    def _fail(self, error: APIError) -> APIError:
+        self.abort()
+        self.close(error)
+        return error
+
+    # ---- end -----------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop every backend request still running (no await: callable from cancelled tasks)."""
+        if self.client is None:
+            return
+        for p, bid in enumerate(self.backend_ids):
+            if p not in self.done:
+                self.done.add(p)
+                self.aborted = True
+                self.client.abort_soon(bid)
+
+    def disconnected(self) -> None:
+        if len(self.done) < len(self.prompts):
+            log.info("client of %s disconnected; aborting", self.request_id)
+            self.abort()
+            self.queue.put_nowait(_Disconnected())
+
+    def close(self, error: APIError | None = None) -> None:
+        """Record the outcome once: state, metrics, subscriptions."""
+        if self.closed:
+            return
+        self.closed = True
+        self.error = error
+        ctx = self.ctx
+        if self.client is not None:
+            for bid in self.backend_ids:
+                self.client.unsubscribe(bid)
+            ctx.backends.ended(self.client.endpoint)
+        reasons = [c.finish_reason or "abort" for c in self.all_choices]
+        if error is not None:
+            status = "failed"
+        elif self.aborted or "abort" in reasons:
+            status = "cancelled"
+        else:
+            status = "finished"
+        generated = sum(len(c.token_ids) for c in self.all_choices)
+        if error is None:
+            m = ctx.metrics
+            m.e2e.observe(time.monotonic() - self.arrival)
+            m.prompt_tokens.inc(self.num_prompt_tokens)
+            m.generation_tokens.inc(generated)
+            m.success(reasons[0] if reasons else "abort")
+            if self.first_token_at is not None and self.last_token_at is not None and generated > len(reasons):
+                per_choice = max(len(c.token_ids) for c in self.all_choices)
+                if per_choice > 1:
+                    m.tpot.observe((self.last_token_at - self.first_token_at) / (per_choice - 1))
+        try:
+            ctx.state.update_request_status(self.request_id, status, finish_reasons=reasons,
+                                            num_prompt_tokens=self.num_prompt_tokens,
+                                            num_generated_tokens=generated,
+                                            error=error.message if error else None)
+        except Exception as e:   # the record is informative; never fail a finished request over it
+            log.warning("could not record the end of %s: %s", self.request_id, e)
+
+
+async def watch_disconnect(request, gen: Generation) -> None:
+    """Abort the generation when the HTTP client disconnects (run as a task; cancel when done)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.disconnected()
+            return

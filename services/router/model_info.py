@@ -1,0 +1,36 @@
+"""What the router needs of the model folder: its tokenizer, context length, EOS ids, vocabulary size.
+
+Read once at start-up; the weights are never touched (inspect_model_dir checks the folder only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    @property
+    def bos_token(self) -> str | None:
+        return getattr(self.tokenizer, "bos_token", None)
+
+
+def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelInfo:
+    """Raises services.worker.model_loader.ModelLoadError for a folder that cannot be served."""
+    from transformers import AutoTokenizer
+
+    from services.worker.model_loader import ModelLoadError, inspect_model_dir
+
+    _, spec = inspect_model_dir(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # missing or invalid tokenizer files raise several types
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from None
+    limit = min(max_model_len or spec.max_model_len, spec.max_model_len)
+    return ModelInfo(str(model_dir), tokenizer, limit, tuple(spec.eos_token_ids), spec.vocab_size)

@@ -1,0 +1,147 @@
+"""OpenAI request bodies (with vLLM's extensions) and their translation into SamplingParams.
+
+Owns what a client may send and how it maps onto services.sampling_params. Types are strict (a
+string is not a number, `true` is not 1) and every failure becomes an APIError(400) naming the
+field; unknown fields are ignored, as vLLM does, so newer clients keep working.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.router.errors import APIError, bad_request
+from services.sampling_params import SamplingParams, SamplingParamsError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: list) -> APIError:
+    """pydantic/FastAPI error list -> one 400 naming the first offending field."""
+    if not errors:
+        return bad_request("Invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = loc[0] if loc else None
+    if first.get("type") == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {first.get('msg')}")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required field '{param}'", param)
+    where = f"'{param}'" if param else "the request"
+    return bad_request(f"Invalid value for {where}: {first.get('msg')}", param)
+
+
+def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> tuple[SamplingParams, int]:
+    """The request's SamplingParams (validated) and how many choices the client gets back.
+
+    params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned)."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}", "n")
+    best_of = req.best_of if req.best_of is not None else req.n
+    if best_of < req.n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
+    if req.stream and best_of > req.n and not req.use_beam_search:
+        raise bad_request("best_of greater than n cannot be streamed", "best_of")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    fields = dict(
+        n=best_of if not req.use_beam_search else req.n,
+        max_tokens=max_tokens, min_tokens=req.min_tokens,
+        temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
+        top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0),
+        presence_penalty=_default(req.presence_penalty, 0.0),
+        frequency_penalty=_default(req.frequency_penalty, 0.0),
+        repetition_penalty=_default(req.repetition_penalty, 1.0),
+        seed=req.seed, logprobs=logprobs, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos, beam_width=best_of if req.use_beam_search else 1,
+        length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+        cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens)
+    try:
+        params = SamplingParams(**fields).validate()
+    except SamplingParamsError as e:
+        param = {"beam_width": "best_of"}.get(e.param, e.param)
+        raise bad_request(e.message, param) from None
+    return params, req.n
+
+
+def _default(value, default):
+    return default if value is None else value

@@ -1,0 +1,102 @@
+"""Turning a Generation into an HTTP response: one JSON body, or a stream of SSE chunks.
+
+A stream waits for the scheduler's first update before answering 200, so a request the scheduler
+rejects still gets its own status code; after that, errors travel as an SSE `data: {"error": ...}`
+event followed by `data: [DONE]`, as vLLM sends them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Protocol
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.router.choices import ChoiceEvent
+from services.router.errors import APIError
+from services.router.generation import ClientDisconnected, Generation, watch_disconnect
+
+DONE = "data: [DONE]\n\n"
+
+
+class Formatter(Protocol):
+    def start_chunks(self) -> list[dict]: ...
+    def chunks(self, events: list[ChoiceEvent]) -> list[dict]: ...
+    def usage_chunk(self) -> dict: ...
+    def final(self) -> dict: ...
+
+
+def sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def usage(gen: Generation, choices) -> dict:
+    completion = sum(len(c.token_ids) for c in choices)
+    out = {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion,
+           "total_tokens": gen.num_prompt_tokens + completion}
+    if gen.num_cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": gen.num_cached_tokens}
+    return out
+
+
+def best_choices(gen: Generation, n: int) -> list:
+    """The choices to return: all of them, or (best_of > n) the n most likely of each prompt."""
+    out = []
+    for per_prompt in gen.choices:
+        picked = per_prompt if len(per_prompt) <= n else \
+            sorted(per_prompt, key=lambda c: -c.cumulative_logprob)[:n]
+        out.extend(picked)
+    return out
+
+
+async def respond(request, gen: Generation, fmt: Formatter, stream: bool, include_usage: bool,
+                  headers: dict) -> Response:
+    watcher = asyncio.create_task(watch_disconnect(request, gen))
+    events = gen.events()
+    try:
+        if not stream:
+            try:
+                async for _ in events:
+                    pass
+            finally:
+                watcher.cancel()
+            gen.close()
+            return JSONResponse(fmt.final(), headers=headers)
+        first = await anext(events, None)
+    except ClientDisconnected:
+        watcher.cancel()
+        gen.close()
+        return Response(status_code=499)    # nobody reads it; nginx's code for a client that left
+    except BaseException:
+        watcher.cancel()
+        gen.abort()
+        gen.close(None if gen.error else APIError(500, "internal error"))
+        raise
+
+    async def body():
+        try:
+            for chunk in fmt.start_chunks():
+                yield sse(chunk)
+            if first is not None:
+                for chunk in fmt.chunks(first):
+                    yield sse(chunk)
+            async for batch in events:
+                for chunk in fmt.chunks(batch):
+                    yield sse(chunk)
+            gen.close()
+            if include_usage:
+                yield sse(fmt.usage_chunk())
+            yield DONE
+        except ClientDisconnected:
+            gen.close()
+        except APIError as e:
+            gen.ctx.metrics.error(e.status)
+            yield sse(e.body())
+            yield DONE
+        finally:
+            watcher.cancel()
+            if not gen.closed:      # the stream was cancelled: the client is gone
+                gen.abort()
+                gen.close()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

@@ -1,0 +1,193 @@
+"""The router's connection to one scheduler: a zmq.asyncio DEALER whose identity is the router id.
+
+Owns the socket, a receive loop that hands each RequestUpdate / Error to the asyncio queue
+subscribed under its request id, and a heartbeat: a Ping every `ping_interval_s`. A scheduler not
+heard from (any message counts) for `dead_after_s` is declared dead: every subscribed request gets
+a Failure(503) in its queue and new requests are refused with 503, so nothing hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from services import protocol
+
+log = logging.getLogger("pagedserve.router")
+
+
+@dataclass
+class Failure:
+    """Put in a request's queue by the router itself: the request cannot go on."""
+    status: int
+    message: str
+
+
+class SchedulerUnavailable(RuntimeError):
+    """A message could not be handed to the scheduler (no connection)."""
+
+
+class SchedulerClient:
+    def __init__(self, endpoint: str, identity: str, ctx: zmq.asyncio.Context,
+                 ping_interval_s: float = 1.0, dead_after_s: float = 10.0):
+        self.endpoint = endpoint
+        self.identity = identity
+        self.ctx = ctx
+        self.ping_interval_s = ping_interval_s
+        self.dead_after_s = dead_after_s
+        self.subscribers: dict[str, asyncio.Queue] = {}
+        self.last_heard = time.monotonic()    # a grace period from start: the scheduler may be starting
+        self.last_pong: protocol.Pong | None = None
+        self.dead = False
+        self._ping_waiters: list[asyncio.Future] = []
+        self._stats_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._tasks: list[asyncio.Task] = []
+        self.sock: zmq.asyncio.Socket | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        # Queue only on a live connection: with no scheduler a send waits (and times out, -> 503)
+        # instead of piling requests up for a scheduler that may come back much later.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self._tasks = [asyncio.create_task(self._receive_loop(), name=f"recv {self.endpoint}"),
+                       asyncio.create_task(self._heartbeat_loop(), name=f"ping {self.endpoint}")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_all(503, "the router is shutting down")
+        if self.sock is not None:
+            self.sock.close(linger=0)
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.last_pong is not None and self.last_pong.ready
+
+    # ---- requests ------------------------------------------------------------------------------
+    def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
+        self.subscribers[request_id] = queue
+
+    def unsubscribe(self, request_id: str) -> None:
+        self.subscribers.pop(request_id, None)
+
+    async def add(self, msg: protocol.AddRequest) -> None:
+        await self._send(msg)
+
+    async def abort(self, request_id: str) -> None:
+        self.unsubscribe(request_id)
+        await self._send(protocol.AbortRequest(request_id))
+
+    def abort_soon(self, request_id: str) -> None:
+        """Send AbortRequest without awaiting: safe from a cancelled task or a finally block."""
+        self.unsubscribe(request_id)
+        try:
+            # zmq.asyncio sends at once when the socket can take it (a DEALER queues up to its HWM).
+            self.sock.send_multipart(protocol.encode(protocol.AbortRequest(request_id)))
+        except zmq.ZMQError as e:
+            log.warning("could not send AbortRequest(%s) to %s: %s", request_id, self.endpoint, e)
+
+    async def _send(self, msg) -> None:
+        try:
+            await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg), copy=False),
+                                   min(self.dead_after_s, 5.0))
+        except asyncio.TimeoutError:
+            raise SchedulerUnavailable(f"the engine at {self.endpoint} is not connected") from None
+
+    # ---- questions -----------------------------------------------------------------------------
+    async def ping(self, timeout_s: float = 1.0) -> protocol.Pong | None:
+        fut = asyncio.get_running_loop().create_future()
+        self._ping_waiters.append(fut)
+        try:
+            await self._send(protocol.Ping(self.identity, time.time()))
+            return await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, SchedulerUnavailable):
+            return None
+        finally:
+            if fut in self._ping_waiters:
+                self._ping_waiters.remove(fut)
+
+    async def stats(self, timeout_s: float = 1.0) -> dict | None:
+        # StatsReply carries no correlation id; the scheduler answers in order, so FIFO matches.
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        try:
+            await self._send(protocol.GetStats())
+            return await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, SchedulerUnavailable):
+            fut.cancel()
+            return None
+
+    # ---- loops ---------------------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            self.last_heard = time.monotonic()
+            if self.dead:
+                log.info("the scheduler at %s answers again", self.endpoint)
+                self.dead = False
+            try:
+                msg = protocol.decode(frames)
+            except protocol.ProtocolError as e:
+                log.warning("malformed message from the scheduler at %s: %s", self.endpoint, e)
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, (protocol.RequestUpdate, protocol.Error)) and msg.request_id is not None:
+            queue = self.subscribers.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+                if isinstance(msg, protocol.Error) or msg.finished:
+                    self.unsubscribe(msg.request_id)
+        elif isinstance(msg, protocol.Pong):
+            self.last_pong = msg
+            waiters, self._ping_waiters = self._ping_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(msg)
+        elif isinstance(msg, protocol.StatsReply):
+            while self._stats_waiters:
+                fut = self._stats_waiters.popleft()
+                if not fut.done():
+                    fut.set_result(msg.stats)
+                    break
+        elif isinstance(msg, protocol.Error):
+            log.warning("the scheduler at %s reports: %s", self.endpoint, msg.message)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.sock.send_multipart(
+                    protocol.encode(protocol.Ping(self.identity, time.time()))), self.ping_interval_s)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass     # not connected: the silence below decides
+            await asyncio.sleep(self.ping_interval_s)
+            silent = time.monotonic() - self.last_heard
+            if silent > self.dead_after_s and not self.dead:
+                self.dead = True
+                log.error("the scheduler at %s has not answered for %.1f s", self.endpoint, silent)
+                self._fail_all(503, f"the engine at {self.endpoint} stopped answering")
+
+    def _fail_all(self, status: int, message: str) -> None:
+        subscribers, self.subscribers = self.subscribers, {}
+        for queue in subscribers.values():
+            queue.put_nowait(Failure(status, message))

@@ -1,0 +1,158 @@
+"""The router process: Config, flags, and run() serving the app with uvicorn until SIGTERM/SIGINT.
+
+    python -m services.router.service --model DIR [--port 8000] [--scheduler-endpoint EP]
+                                      [--redis-url URL] [--router-id ID] [--require-api-key]
+
+With --scheduler-endpoint the router talks to that scheduler; without it, it needs --redis-url and
+sends each request to one of the replicas registered there.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pagedserve.router")
+
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+@dataclass
+class Config:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    scheduler_endpoint: str | None = "tcp://127.0.0.1:5602"
+    redis_url: str | None = None
+    router_id: str = ""
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    require_api_key: bool = False
+    api_keys: list[str] = field(default_factory=list)   # added to the store at start (handy without Redis)
+    rate_limit: int | None = None                       # requests per window per key; None = unlimited
+    rate_limit_window_s: float = 60.0
+    ping_interval_s: float = 1.0
+    scheduler_timeout_s: float = 10.0                   # silent this long -> in-flight requests get 503
+    ready_timeout_s: float = 1.0
+    stats_timeout_s: float = 1.0
+    log_level: str = "INFO"
+
+    def __post_init__(self):
+        if not self.router_id:
+            self.router_id = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    def validate(self) -> "Config":
+        if not self.model:
+            raise ValueError("--model is required")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not self.scheduler_endpoint and not self.redis_url:
+            raise ValueError("--scheduler-endpoint is required unless --redis-url lists the replicas")
+        if self.scheduler_endpoint and not self.scheduler_endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError("--scheduler-endpoint must be a tcp:// or ipc:// endpoint")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("--redis-url must be a redis://, rediss:// or unix:// URL")
+        if not self.router_id or len(self.router_id) > 200:
+            raise ValueError("--router-id must be 1-200 characters")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2")
+        if self.rate_limit is not None and self.rate_limit < 1:
+            raise ValueError("--rate-limit must be at least 1 request per window")
+        if self.rate_limit_window_s <= 0:
+            raise ValueError("--rate-limit-window must be positive")
+        if self.require_api_key and not self.redis_url and not self.api_keys:
+            raise ValueError("--require-api-key without --redis-url needs at least one --api-key")
+        for name in ("ping_interval_s", "scheduler_timeout_s", "ready_timeout_s", "stats_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} must be positive")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        return self
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face folder (tokenizer and config are read)")
+    p.add_argument("--host", default=Config.host)
+    p.add_argument("--port", type=int, default=Config.port)
+    p.add_argument("--scheduler-endpoint", default=Config.scheduler_endpoint,
+                   help="the scheduler to send requests to; 'none' to pick replicas from --redis-url")
+    p.add_argument("--redis-url", default=None, help="shared state for several routers (else in process)")
+    p.add_argument("--router-id", default="", help="this router's ZeroMQ identity (default: host-pid-random)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--require-api-key", action="store_true")
+    p.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                   help="add this key to the store at start (repeatable)")
+    p.add_argument("--rate-limit", type=int, default=None, help="requests per window per API key")
+    p.add_argument("--rate-limit-window", type=float, default=Config.rate_limit_window_s)
+    p.add_argument("--scheduler-timeout", type=float, default=Config.scheduler_timeout_s)
+    p.add_argument("--log-level", default=Config.log_level)
+
+
+def config_from_args(args) -> Config:
+    endpoint = args.scheduler_endpoint
+    if endpoint is not None and endpoint.lower() in ("", "none"):
+        endpoint = None
+    return Config(model=args.model, host=args.host, port=args.port, scheduler_endpoint=endpoint,
+                  redis_url=args.redis_url, router_id=args.router_id, served_model_name=args.served_model_name,
+                  max_model_len=args.max_model_len, require_api_key=args.require_api_key,
+                  api_keys=list(args.api_keys), rate_limit=args.rate_limit,
+                  rate_limit_window_s=args.rate_limit_window, scheduler_timeout_s=args.scheduler_timeout,
+                  log_level=args.log_level.upper()).validate()
+
+
+def build_app(config: Config, state=None):
+    """The app for this config (loads the tokenizer; the state defaults to what the config says)."""
+    from services.router.app import create_app
+    from services.router.model_info import load_model_info
+    from services.state import make_state
+
+    info = load_model_info(config.model, config.max_model_len)
+    state = state or make_state(config.redis_url)
+    for key in config.api_keys:
+        state.add_api_key(key, {"name": "cli"})
+    return create_app(config, info, state)
+
+
+def run(config: Config) -> int:
+    """Serve until SIGTERM/SIGINT (uvicorn handles both and drains); returns the exit code."""
+    import uvicorn
+
+    from services.worker.model_loader import ModelLoadError
+
+    logging.basicConfig(level=config.log_level, format="%(asctime)s router %(levelname)s %(message)s")
+    try:
+        app = build_app(config)
+    except ModelLoadError as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 1
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level.lower(), access_log=False,
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except OSError as e:
+        print(f"router: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 1
+    # uvicorn exits the process itself if it cannot bind; a started server that stops is a clean stop.
+    return 0 if server.started else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve router")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
