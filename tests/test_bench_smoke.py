@@ -1,0 +1,73 @@
+"""Smoke tests for the engine benchmarks (loadgen.bench_sharing, loadgen.bench_throughput) and the
+length distributions they draw from: each script's main() runs in --quick mode in a few seconds and
+prints the table it promises, so the scripts cannot rot unnoticed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loadgen import bench_sharing, bench_throughput
+from loadgen.lengths import WORKLOADS, Lengths, sample_lengths, scale_lengths
+from services.engine import Engine
+from services.engine_config import EngineConfig
+
+
+@pytest.fixture
+def one_thread():
+    """main() sets torch's thread count for the whole process: one thread is fastest on a busy
+    2-core box, and the session's own count comes back afterwards."""
+    before = torch.get_num_threads()
+    yield "1"
+    torch.set_num_threads(before)
+
+
+def test_sharing_quick_prints_both_tables(tiny_llama, one_thread, capsys):
+    results = bench_sharing.main(["--quick", "--model-dir", tiny_llama, "--threads", one_thread])
+    out = capsys.readouterr().out
+    settings = [f"{m} {'n' if m == 'parallel' else 'w'}={w}" for m in bench_sharing.MODES
+                for w in bench_sharing.WIDTHS]
+    tables = out.split("== ")[1:]
+    assert [t.split(":")[0] for t in tables] == ["alpaca", "sharegpt"]
+    for table in tables:
+        rows = [line.split()[:2] for line in table.splitlines()[3:] if line.strip()]
+        assert [" ".join(r) for r in rows[:len(settings)]] == settings
+    assert len(results) == 2 * len(settings)
+    for r in results:
+        # Every cell forks (n or w >= 2), so some block is shared for at least one step.
+        assert 0 < r.blocks_with < r.blocks_without, r
+        assert 0 < r.saving < 1
+
+
+def test_unshared_count_equals_store_without_forks(tiny_llama):
+    """With one sequence per request nothing is shared: the two counts must agree exactly."""
+    with Engine(EngineConfig(model=tiny_llama, enable_prefix_caching=False, num_device_blocks=256)) as engine:
+        r = bench_sharing.measure(engine, [(5, 20), (17, 3), (40, 12)], "parallel", 1, seed=0)
+        assert engine.store.stats()["device_blocks_used"] == 0
+    assert r.steps >= 20 and r.blocks_with == r.blocks_without > 0
+
+
+def test_throughput_quick_counts_only_real_tokens(tiny_llama, one_thread, capsys):
+    runs = bench_throughput.main(["--quick", "--model-dir", tiny_llama, "--threads", one_thread])
+    out = capsys.readouterr().out
+    assert {r.system for r in runs} == {bench_throughput.ENGINE, bench_throughput.HF}
+    assert len({r.output_tokens for r in runs}) == 1 and runs[0].requests == 8
+    rows = [line for line in out.splitlines() if line.startswith(("pagedserve", "transformers"))]
+    assert len(rows) == 2
+    assert rows[1].split()[-4] == "1.00"   # transformers is the ratio's base
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_fallback_distribution_matches_paper_means(workload, tmp_path):
+    lengths = sample_lengths(workload, 4000, seed=1, traces_dir=tmp_path)   # no trace files there
+    w = WORKLOADS[workload]
+    assert lengths.source == "log-normal fit"
+    assert lengths.mean_prompt == pytest.approx(w.mean_prompt, rel=0.1)
+    assert lengths.mean_output == pytest.approx(w.mean_output, rel=0.1)
+    assert min(min(p) for p in lengths.pairs) >= 1
+
+
+def test_max_total_and_scaling_cap_lengths(tmp_path):
+    lengths = sample_lengths("sharegpt", 200, seed=0, traces_dir=tmp_path, max_total=300)
+    assert all(p + o <= 300 for p, o in lengths.pairs)
+    scaled = scale_lengths(Lengths("x", "test", [(100, 50), (3, 1), (90, 400)]), 2, max_total=120)
+    assert scaled.pairs == [(50, 25), (2, 1), (45, 75)]
