@@ -1,0 +1,460 @@
+"""The router on its own: real HTTP (uvicorn on a free port) against a fake scheduler on ZeroMQ."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from router_fakes import FakeScheduler, RouterServer
+from services import protocol
+from services.router.app import create_app
+from services.router.service import Config
+from services.state import MemoryState
+
+SCRIPT_TEXT = "Hello wörld € The quick brown fox jumps over the lazy dog. "
+
+
+@pytest.fixture(scope="module")
+def info(tiny_llama):
+    from services.router.model_info import load_model_info
+    return load_model_info(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def script(info) -> list[int]:
+    return info.tokenizer(SCRIPT_TEXT, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def fake(script):
+    f = FakeScheduler(script)
+    f.start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def router(info, fake):
+    cfg = Config(model=info.path, scheduler_endpoint=fake.endpoint, router_id="router-test")
+    with RouterServer(create_app(cfg, info, MemoryState())) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(router, fake):
+    fake.ready, fake.silent, fake.reject_with, fake.token_delay_s = True, False, None, 0.0
+    with httpx.Client(base_url=router.url, timeout=20) as c:
+        yield c
+
+
+def expected_text(info, script, n_tokens, choice=0):
+    ids = [script[(choice + k) % len(script)] for k in range(n_tokens)]
+    return info.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def stream_events(client, path, body, headers=None):
+    """POST a streaming request -> (decoded chunks, raw data lines)."""
+    chunks, lines = [], []
+    with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            lines.append(line[6:])
+            if line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks, lines
+
+
+def stream_text(chunks, index=0, chat=False):
+    parts = []
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch["index"] == index:
+                parts.append(ch["delta"].get("content") or "" if chat else ch["text"])
+    return "".join(parts)
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+# ---- completions and chat -------------------------------------------------------------------
+
+def test_completion_shape_text_and_usage(client, info, script):
+    r = client.post("/v1/completions", json={"model": info.path, "prompt": "def f(x):", "max_tokens": 9})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"] == r.headers["x-request-id"]
+    assert body["model"] == info.path and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert choice["text"] == expected_text(info, script, 9)
+    prompt_len = len(info.tokenizer("def f(x):")["input_ids"])
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 9, "total_tokens": prompt_len + 9}
+
+
+def test_completion_default_max_tokens_is_16_and_token_prompts_pass_through(client, fake, info, script):
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post("/v1/completions", json={"prompt": [5, 6, 7]})
+    assert r.status_code == 200, r.text
+    add = fake.messages(protocol.AddRequest)[before]
+    assert add.prompt_token_ids == [5, 6, 7] and add.params["max_tokens"] == 16
+    assert r.json()["choices"][0]["text"] == expected_text(info, script, 16)
+
+
+def test_chat_uses_the_template_without_a_second_bos_and_fills_the_context(client, fake, info):
+    before = len(fake.messages(protocol.AddRequest))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    add = fake.messages(protocol.AddRequest)[before]
+    rendered = info.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True, tokenize=False)
+    assert add.prompt_token_ids == info.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert add.prompt_token_ids.count(info.tokenizer.bos_token_id) == 1
+    # Without max_tokens, chat may use the rest of the context (as vLLM).
+    r = client.post("/v1/chat/completions", json={"messages": msgs[1:], "max_tokens": None, "stop": "jumps"})
+    assert r.status_code == 200
+    add = fake.messages(protocol.AddRequest)[-1]
+    assert add.params["max_tokens"] == info.max_model_len - len(add.prompt_token_ids)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_equals_non_streaming_and_ends_with_done(client, info, script, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"max_tokens": 20, "n": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    full = client.post(path, json=body).json()
+    chunks, lines = stream_events(client, path, body)
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    for i in range(2):
+        key = full["choices"][i]["message"]["content"] if chat else full["choices"][i]["text"]
+        assert stream_text(chunks, i, chat) == key == expected_text(info, script, 20, i)
+        assert "\ufffd" not in key, "a character split across tokens must be joined, not replaced"
+        finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["index"] == i]
+        assert finishes[-1] == "length" and finishes.count("length") == 1
+    assert all(c["id"] == full["id"].replace(full["id"], c["id"]) for c in chunks)
+    if chat:
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    else:
+        assert chunks[0]["object"] == "text_completion"
+
+
+def test_stream_usage_chunk_when_asked(client):
+    chunks, _ = stream_events(client, "/v1/completions", {"prompt": "hi", "max_tokens": 3,
+                                                           "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_n3_returns_three_distinct_choices(client, info, script):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "n": 3})
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [expected_text(info, script, 6, j) for j in range(3)]
+    assert r.json()["usage"]["completion_tokens"] == 18
+
+
+def test_completion_logprobs_shape(client, info, script):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "logprobs": 2})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert all(len(lp[k]) == 5 for k in lp)
+    assert lp["token_logprobs"] == pytest.approx([-0.5 - 0.01 * k for k in range(5)])
+    assert lp["tokens"][0] == info.tokenizer.decode([script[0]])
+    assert all(isinstance(t, dict) and 2 <= len(t) <= 3 for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert "".join(lp["tokens"]) == choice["text"] or "\ufffd" in "".join(lp["tokens"])
+
+
+def test_chat_logprobs_shape(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 4, "logprobs": True, "top_logprobs": 3})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 3
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+# ---- stop strings ----------------------------------------------------------------------------
+
+def _split_stop(info, script) -> tuple[str, str]:
+    """A stop string that straddles two tokens of the script, and the text before it."""
+    texts = [info.tokenizer.decode([t]) for t in script]
+    for k in range(len(texts) - 1):
+        a, b = texts[k], texts[k + 1]
+        if len(a) >= 2 and len(b) >= 2 and "\ufffd" not in a + b and k > 2:
+            stop = a[-2:] + b[:2]
+            full = info.tokenizer.decode(script)
+            return stop, full[:full.index(stop)]
+    raise AssertionError("no token pair to straddle")
+
+
+def test_stop_string_split_across_tokens_never_leaks_into_the_stream(client, fake, info, script):
+    stop, before = _split_stop(info, script)
+    aborts = len(fake.messages(protocol.AbortRequest))
+    body = {"prompt": "x", "max_tokens": 40, "stop": ["never-there", stop]}
+    chunks, lines = stream_events(client, "/v1/completions", body)
+    texts = [ch["text"] for c in chunks for ch in c["choices"]]
+    assert "".join(texts) == before, "the stream held back the start of the stop string and dropped it"
+    sent = ""
+    for t in texts:          # at no point did the client see any part of the stop string
+        sent += t
+        assert not any(sent.endswith(stop[:k]) for k in range(1, len(stop) + 1) if len(sent) > len(before))
+        assert len(sent) <= len(before)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and lines[-1] == "[DONE]"
+    assert len(fake.wait_for(protocol.AbortRequest, aborts + 1)) == aborts + 1
+    full = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert full["text"] == before and full["finish_reason"] == "stop" and full["stop_reason"] == stop
+
+
+def test_stop_with_n2_finishes_each_choice_then_aborts_once(client, fake, info, script):
+    stop = "fox"
+    aborts = len(fake.messages(protocol.AbortRequest))
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "n": 2, "stop": stop})
+    choices = r.json()["choices"]
+    for j, c in enumerate(choices):
+        full = expected_text(info, script, 40, j)
+        assert c["finish_reason"] == "stop" and c["text"] == full[:full.index(stop)]
+    time.sleep(0.1)
+    assert len(fake.messages(protocol.AbortRequest)) == aborts + 1
+
+
+def test_eos_ends_the_text_without_showing_it(client, info, script):
+    # stop_token_ids makes the fake finish with "stop" on that token; the token is counted, not shown.
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "stop_token_ids": [script[3]],
+                                             "skip_special_tokens": False})
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["text"] == expected_text(info, script, 3)
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_beam_search_sends_the_beam_width(client, fake):
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2, "best_of": 3,
+                                             "use_beam_search": True, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    add = fake.messages(protocol.AddRequest)[before]
+    assert add.params["beam_width"] == 3 and add.params["n"] == 2
+
+
+def test_best_of_returns_the_most_likely(client, fake):
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "n": 1, "best_of": 3})
+    assert fake.messages(protocol.AddRequest)[before].params["n"] == 3
+    assert len(r.json()["choices"]) == 1   # the fake makes choice 0 the most likely
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "stop": ""}, "stop"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "seed": 2 ** 70}, "seed"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": "x", "use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 99999999]}, "prompt"),
+    ({"prompt": [1, -3]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+def test_bad_completion_requests_get_400_and_never_reach_the_scheduler(client, fake, body, param):
+    before = len(fake.messages(protocol.AddRequest))
+    assert_error(client.post("/v1/completions", json=body), 400, param)
+    assert len(fake.messages(protocol.AddRequest)) == before
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi " * 2000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHATS, ids=[str(i) for i in range(len(BAD_CHATS))])
+def test_bad_chat_requests_get_400_and_never_reach_the_scheduler(client, fake, body, param):
+    before = len(fake.messages(protocol.AddRequest))
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+    assert len(fake.messages(protocol.AddRequest)) == before
+
+
+def test_malformed_bodies_unknown_models_and_routes(client, fake):
+    before = len(fake.messages(protocol.AddRequest))
+    assert_error(client.post("/v1/completions", content=b"{not json"), 400)
+    assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400)
+    assert_error(client.post("/v1/completions", content=b"\xff\xfe"), 400)
+    assert_error(client.post("/v1/chat/completions", content=b""), 400)
+    assert_error(client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "bad id!"}), 400)
+    assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert_error(client.get("/v1/nothing-here"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+    assert len(fake.messages(protocol.AddRequest)) == before
+
+
+def test_a_request_the_scheduler_rejects_keeps_its_status(client, fake):
+    fake.reject_with = protocol.Error("the engine is not ready", 503)
+    assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503)
+    r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert_error(r, 503)
+
+
+def test_client_supplied_request_id_is_used_once(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Request-Id": "mine-1"})
+    assert r.json()["id"] == "mine-1"
+    rec = client.get("/v1/requests/mine-1").json()
+    assert rec["status"] == "finished" and rec["router_id"] == "router-test" and rec["finish_reasons"] == ["length"]
+    assert_error(client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "mine-1"}), 409)
+    assert_error(client.get("/v1/requests/unknown-id"), 404)
+
+
+# ---- disconnects, health, readiness, metrics ---------------------------------------------------
+
+def test_client_disconnect_during_a_stream_aborts_the_request(client, fake):
+    fake.token_delay_s = 0.02
+    aborts = len(fake.messages(protocol.AbortRequest))
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 500, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                rid = json.loads(line[6:])["id"]
+                break
+    aborted = fake.wait_for(protocol.AbortRequest, aborts + 1, timeout_s=5)
+    assert aborted[-1].request_id == rid
+    deadline = time.monotonic() + 3
+    while client.get(f"/v1/requests/{rid}").json()["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.get(f"/v1/requests/{rid}").json()["status"] == "cancelled"
+
+
+def test_client_disconnect_while_waiting_for_a_whole_response_aborts(router, fake):
+    fake.token_delay_s = 0.02
+    aborts = len(fake.messages(protocol.AbortRequest))
+    with httpx.Client(base_url=router.url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500})
+    fake.wait_for(protocol.AbortRequest, aborts + 1, timeout_s=5)
+    fake.token_delay_s = 0.0
+
+
+def test_health_and_ready_follow_the_scheduler(client, fake):
+    assert client.get("/health").status_code == 200
+    assert client.get("/ready").status_code == 200
+    fake.ready = False
+    r = client.get("/ready")
+    assert r.status_code == 503 and r.json()["status"] == "not ready"
+    fake.ready = True
+    assert client.get("/ready").status_code == 200
+
+
+def test_models_and_kv(client, info):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == info.path
+    assert models["data"][0]["max_model_len"] == info.max_model_len
+    assert client.get("/v1/kv").json() == {"device_blocks_total": 64, "device_blocks_used": 16}
+
+
+def test_metrics_exposition_parses_and_has_vllm_names(client):
+    from prometheus_client.parser import text_string_to_metric_families
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    client.post("/v1/completions", json={"prompt": "x", "n": 0})
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "pagedserve:request_errors_total"):
+        assert name in samples, name
+    assert samples["vllm:num_requests_waiting"][0].value == 3
+    assert samples["vllm:kv_cache_usage_perc"][0].value == 0.25
+    assert samples["vllm:prefix_cache_hits_total"][0].value == 40
+    assert samples["vllm:e2e_request_latency_seconds_count"][0].value >= 1
+    assert any(s.labels.get("status") == "400" and s.value >= 1 for s in samples["pagedserve:request_errors_total"])
+
+
+def test_openai_sdk_against_the_router(router, info, script):
+    openai = pytest.importorskip("openai")
+    sdk = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    done = sdk.completions.create(model=info.path, prompt="def f():", max_tokens=7)
+    assert done.choices[0].text == expected_text(info, script, 7) and done.usage.completion_tokens == 7
+    stream = sdk.chat.completions.create(model=info.path, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=12, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == expected_text(info, script, 12)
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model=info.path, prompt="x", temperature=-3)
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="nope", prompt="x")
+
+
+def test_a_silent_scheduler_fails_requests_with_503_instead_of_hanging(info, script):
+    quiet = FakeScheduler(script)
+    quiet.start()
+    try:
+        cfg = Config(model=info.path, scheduler_endpoint=quiet.endpoint, router_id="router-quiet",
+                     ping_interval_s=0.05, scheduler_timeout_s=0.4)
+        with RouterServer(create_app(cfg, info, MemoryState())) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            quiet.silent = True
+            t0 = time.monotonic()
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert_error(r, 503)
+            assert time.monotonic() - t0 < 3
+            assert c.get("/ready").status_code == 503
+            assert_error(c.post("/v1/completions", json={"prompt": "x"}), 503)   # refused at once now
+    finally:
+        quiet.stop()
