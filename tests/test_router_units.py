@@ -1,0 +1,102 @@
+"""The router's pure parts: incremental detokenizing, stop-string hold-back, replica picking."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.router.detokenizer import IncrementalDetokenizer, fast_decoder
+from services.router.replicas import pick_replica, prefix_key
+from services.router.stop_strings import StopStrings
+from services.state import Replica
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_llama, local_files_only=True)
+
+
+def test_incremental_detokenizing_equals_a_batch_decode(tokenizer):
+    decode = fast_decoder(tokenizer)
+    rng = random.Random(0)
+    texts = ["naïve café — 日本語 ok €€ 🙂 done", "def f(x):\n    return x ** 2  # ünïcödé"]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the test needs split characters"
+        prompt = tokenizer("prompt text")["input_ids"]
+        detok = IncrementalDetokenizer(decode, prompt, skip_special_tokens=True)
+        pieces = [detok.push(i) for i in ids] + [detok.flush()]
+        assert "".join(pieces) == tokenizer.decode(ids) == text
+        assert not any("\ufffd" in p for p in pieces)
+    # Random ids (incomplete characters included, special tokens too): still the batch decode.
+    for _ in range(20):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(decode, [1], skip_special_tokens=skip)
+            got = "".join(detok.push(i) for i in ids) + detok.flush()
+            assert got == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def _stream(stops, pieces, include=False):
+    s = StopStrings(stops, include)
+    out, matched = [], False
+    for p in pieces:
+        text, matched = s.feed(p)
+        out.append(text)
+        if matched:
+            break
+    if not matched:
+        out.append(s.flush())
+    return out, matched
+
+
+def test_stop_strings_hold_back_and_cut():
+    assert _stream(["world"], ["hello wo", "rld and more"]) == (["hello ", ""], True)
+    assert _stream(["world"], ["hello wo", "rld"], include=True) == (["hello ", "world"], True)
+    # A held tail that turns out not to be a stop is released.
+    assert "".join(_stream(["world"], ["hello wo", "nder"])[0]) == "hello wonder"
+    assert "".join(_stream(["world"], ["hello wo"])[0]) == "hello wo"
+    # The earliest of several stops wins; overlapping prefixes are handled.
+    assert "".join(_stream(["abc", "b"], ["xab", "c"])[0]) == "xa"
+    assert "".join(_stream(["aab"], ["a", "a", "a", "b", "z"])[0]) == "a"
+
+
+def test_stop_strings_never_emit_any_part_of_a_stop_under_random_splits():
+    rng = random.Random(1)
+    alphabet = "ab c"
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 25)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4))) for _ in range(2)]
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 6)))) if len(text) > 1 else []
+        pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        out, matched = _stream(stops, pieces)
+        found = [text.find(s) for s in stops if s in text]
+        expected = text[:min(found)] if found else text
+        assert "".join(out) == expected and matched == bool(found), (text, stops, pieces, out)
+        emitted = ""
+        for piece in out:
+            emitted += piece
+            assert emitted == expected[:len(emitted)]
+
+
+def test_pick_replica_prefers_the_cached_prefix_while_loads_are_close():
+    reps = [Replica(f"r{i}", f"tcp://h:{i}") for i in range(4)]
+    key = prefix_key(list(range(16)))
+    assert prefix_key(list(range(15))) is None
+    loads = {r.id: 1.0 for r in reps}
+    chosen = pick_replica(reps, loads, key)
+    assert all(pick_replica(reps, loads, key) == chosen for _ in range(3)), "deterministic"
+    assert pick_replica(list(reversed(reps)), loads, key) == chosen, "independent of list order"
+    # Same prefix -> same replica under small load differences...
+    loads[chosen.id] = 2.5
+    assert pick_replica(reps, loads, key) == chosen
+    # ...but not when it is much busier than the others.
+    loads[chosen.id] = 50
+    assert pick_replica(reps, loads, key) != chosen
+    # Different prefixes spread over the replicas; without a prefix the least loaded wins.
+    spread = {pick_replica(reps, {r.id: 0 for r in reps}, prefix_key([k] * 16)).id for k in range(40)}
+    assert len(spread) >= 3
+    assert pick_replica(reps, {"r0": 5, "r1": 0, "r2": 3, "r3": 9}, None).id == "r1"
+    with pytest.raises(ValueError):
+        pick_replica([], {}, None)
