@@ -9,10 +9,13 @@ sends each request to one of the replicas registered there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -112,10 +115,33 @@ def build_app(config: Config, state=None):
     from services.state import make_state
 
     info = load_model_info(config.model, config.max_model_len)
-    state = state or make_state(config.redis_url)
+    if state is None:
+        state = make_state(config.redis_url)
+        if config.redis_url:
+            state.ping()     # fail at start, in one line, rather than on every request
     for key in config.api_keys:
         state.add_api_key(key, {"name": "cli"})
     return create_app(config, info, state)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Drain and return on SIGTERM/SIGINT; uvicorn's own version re-raises the signal after
+            # draining, which would end the process with -15 instead of exit code 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+    return Server
 
 
 def run(config: Config) -> int:
@@ -125,14 +151,20 @@ def run(config: Config) -> int:
     from services.worker.model_loader import ModelLoadError
 
     logging.basicConfig(level=config.log_level, format="%(asctime)s router %(levelname)s %(message)s")
+    server_cls = _server_class()
     try:
         app = build_app(config)
     except ModelLoadError as e:
         print(f"router: {e}", file=sys.stderr)
         return 1
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level=config.log_level.lower(), access_log=False,
-                                           timeout_graceful_shutdown=5))
+    except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
+        if type(e).__module__.startswith("redis"):
+            print(f"router: cannot use Redis at {config.redis_url}: {e}", file=sys.stderr)
+            return 1
+        raise
+    server = server_cls(uvicorn.Config(app, host=config.host, port=config.port,
+                                       log_level=config.log_level.lower(), access_log=False,
+                                       timeout_graceful_shutdown=5))
     try:
         server.run()
     except OSError as e:
