@@ -146,12 +146,19 @@ def test_streaming_equals_non_streaming_and_ends_with_done(client, info, script,
         assert "\ufffd" not in key, "a character split across tokens must be joined, not replaced"
         finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["index"] == i]
         assert finishes[-1] == "length" and finishes.count("length") == 1
-    assert all(c["id"] == full["id"].replace(full["id"], c["id"]) for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"] != full["id"]
     if chat:
         assert chunks[0]["object"] == "chat.completion.chunk"
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     else:
         assert chunks[0]["object"] == "text_completion"
+
+
+def test_echo_prefixes_the_prompt_text(client, info, script):
+    r = client.post("/v1/completions", json={"prompt": "def g():", "max_tokens": 3, "echo": True})
+    assert r.json()["choices"][0]["text"] == "def g():" + expected_text(info, script, 3)
+    chunks, _ = stream_events(client, "/v1/completions", {"prompt": "def g():", "max_tokens": 3, "echo": True})
+    assert stream_text(chunks) == r.json()["choices"][0]["text"]
 
 
 def test_stream_usage_chunk_when_asked(client):

@@ -154,6 +154,10 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
+        if type(exc).__module__.startswith("redis"):   # the shared state is down: the router cannot serve
+            log.error("shared state unavailable on %s: %s", request.url.path, exc)
+            ctx.metrics.error(503)
+            return JSONResponse(error_body(503, f"shared state unavailable: {exc}"), status_code=503)
         log.exception("unhandled error on %s", request.url.path)
         ctx.metrics.error(500)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
