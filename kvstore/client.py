@@ -1,0 +1,100 @@
+"""Talking to the kvstore process: the scheduler's request/reply client and the workers' pool attach.
+
+Owns one DEALER socket (through services.rpc.RpcClient) and nothing else. A kvstore that does not
+answer within the timeout raises PeerTimeout so the caller fails its requests fast instead of
+hanging; an Error reply raises KVStoreError. attach_pools maps the pools the kvstore created, by
+name (CPU shared memory) or by CUDA IPC handle; the kvstore stays their owner and unlinks them.
+"""
+from __future__ import annotations
+
+import base64
+import pickle
+
+import zmq
+
+from kvstore.pool import BlockPool
+from services import protocol
+from services.rpc import PeerTimeout, RpcClient
+
+__all__ = ["KVStoreClient", "KVStoreError", "PeerTimeout", "attach_pools"]
+
+
+class KVStoreError(RuntimeError):
+    """The kvstore answered with an Error (a malformed request, a step it already applied, ...)."""
+
+    def __init__(self, message: str, code: int = 500):
+        super().__init__(message)
+        self.code = code
+
+
+class KVStoreClient:
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self._rpc = RpcClient(endpoint, timeout_s, ctx)
+
+    def apply(self, step: int, ops: list[list]) -> protocol.ApplyOpsReply:
+        """Send one step's op log; the reply's results are to be compared with the mirror's."""
+        reply = self._call(protocol.ApplyOps(step, ops), protocol.ApplyOpsReply)
+        if reply.step != step:
+            raise KVStoreError(f"asked to apply step {step}, the kvstore answered for step {reply.step}")
+        return reply
+
+    def pool_info(self) -> protocol.PoolInfo:
+        return self._call(protocol.GetPoolInfo(), protocol.PoolInfo)
+
+    def stats(self) -> dict:
+        return self._call(protocol.GetStats(), protocol.StatsReply).stats
+
+    def ping(self) -> protocol.Pong:
+        return self._call(protocol.Ping(sender="kvstore-client"), protocol.Pong)
+
+    def close(self) -> None:
+        self._rpc.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, msg, want: type):
+        reply = self._rpc.call(msg)   # PeerTimeout when the kvstore is silent
+        if isinstance(reply, protocol.Error):
+            raise KVStoreError(f"kvstore: {reply.message}", reply.code)
+        if not isinstance(reply, want):
+            raise KVStoreError(f"kvstore answered {type(msg).__name__} with {type(reply).__name__}")
+        return reply
+
+
+def attach_pools(info: protocol.PoolInfo, kind: str = "device") -> list[BlockPool]:
+    """Map the kvstore's pools of one kind ("device" or "host"), one per tensor-parallel rank.
+
+    The caller closes them (never unlinks: the kvstore does) and must drop its own views first."""
+    if kind == "device":
+        names, num_blocks = info.device_pool_names, info.num_device_blocks
+        if info.device != "cpu":
+            return _attach_cuda(info)
+    elif kind == "host":
+        names, num_blocks = info.host_pool_names, info.num_host_blocks
+    else:
+        raise ValueError(f"kind must be 'device' or 'host', not {kind!r}")
+    pools: list[BlockPool] = []
+    try:
+        for name in names:
+            pools.append(BlockPool.attach(name, num_blocks, info.block_bytes))
+    except BaseException:
+        for p in pools:
+            p.close()
+        raise
+    return pools
+
+
+def _attach_cuda(info: protocol.PoolInfo) -> list[BlockPool]:
+    # UNTESTED here (no GPU on CI). The handles come from kvstore.service._cuda_ipc_handles; pickle
+    # is acceptable only because the peer is our own kvstore on this host (loopback/ipc sockets).
+    pools = []
+    for name, handle in zip(info.device_pool_names, info.ipc_handles):
+        rebuild, args = pickle.loads(base64.b64decode(handle))
+        blocks = rebuild(*args)   # uint8 [num_device_blocks, block_bytes] on the kvstore's GPU
+        pools.append(BlockPool(name, info.num_device_blocks, info.block_bytes, blocks, shm=None, owner=False))
+    return pools

@@ -1,0 +1,267 @@
+"""The kvstore process: the authoritative BlockStore and its pools behind a ZeroMQ ROUTER socket.
+
+Owns the device and host pools of every tensor-parallel rank (it creates them at start and unlinks
+them on SIGTERM/SIGINT) and the BlockStore over them: refcounts, block tables, the prefix index and
+the copy-on-write and swap copies. The scheduler sends each step's op log (ApplyOps) recorded on its
+mirror; this process replays it once, in order, and answers with the results. Workers ask for the
+pool names (GetPoolInfo) and map the pools; they never ask for blocks.
+
+A step number is applied at most once: a repeated or older ApplyOps (a resend after a timeout, a
+duplicate) is answered with an Error instead of being applied twice, which would corrupt the replica.
+Malformed messages are logged on one line and answered with an Error; the loop never dies of one.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import pickle
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from kvstore.pool import BlockPool, unique_pool_name
+from kvstore.replay import ReplicaDiverged, apply_ops
+from kvstore.store import BlockStore
+from services import protocol
+
+log = logging.getLogger("pagedserve.kvstore")
+
+POLL_MS = 100   # how long the loop blocks waiting for a message: also the latency of a stop signal
+
+
+@dataclass
+class Config:
+    num_device_blocks: int = 1024
+    num_host_blocks: int = 0
+    block_size: int = 16
+    block_bytes: int = 0                 # of one block on one rank; required (the model decides it)
+    tp_size: int = 1                     # one device pool and one host pool per rank
+    enable_prefix_caching: bool = True
+    device: str = "cpu"                  # where the device pools live: cpu (shared memory) or cuda
+    endpoint: str = "tcp://127.0.0.1:5601"
+    log_level: str = "INFO"
+
+    def validate(self) -> "Config":
+        if self.num_device_blocks < 1:
+            raise ValueError("--num-device-blocks must be at least 1")
+        if self.num_host_blocks < 0:
+            raise ValueError("--num-host-blocks must be non-negative")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be positive")
+        if self.block_bytes < 1:
+            raise ValueError("--block-bytes must be positive (bytes of one block on one worker rank)")
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be at least 1")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("--endpoint must be a tcp://, ipc:// or inproc:// address")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        return self
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-device-blocks", type=int, default=Config.num_device_blocks)
+    p.add_argument("--num-host-blocks", type=int, default=Config.num_host_blocks)
+    p.add_argument("--block-size", type=int, default=Config.block_size, help="tokens per block")
+    p.add_argument("--block-bytes", type=int, default=Config.block_bytes,
+                   help="bytes of one block on one tensor-parallel rank (required)")
+    p.add_argument("--tp-size", type=int, default=Config.tp_size)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--device", default=Config.device, help="cpu or cuda")
+    p.add_argument("--endpoint", default=Config.endpoint)
+    p.add_argument("--log-level", default=Config.log_level)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return Config(num_device_blocks=args.num_device_blocks, num_host_blocks=args.num_host_blocks,
+                  block_size=args.block_size, block_bytes=args.block_bytes, tp_size=args.tp_size,
+                  enable_prefix_caching=not args.no_prefix_caching, device=args.device,
+                  endpoint=args.endpoint, log_level=args.log_level)
+
+
+# ---- pools -------------------------------------------------------------------------------------
+
+class Pools:
+    """Every pool this process created; close_all() unmaps and unlinks them (idempotent)."""
+
+    def __init__(self, config: Config):
+        self.device: list[BlockPool] = []
+        self.host: list[BlockPool] = []
+        try:
+            for rank in range(config.tp_size):
+                self.device.append(_create_device_pool(config, rank))
+                self.host.append(BlockPool.create(unique_pool_name(f"host{rank}"), config.num_host_blocks,
+                                                  config.block_bytes, "cpu"))
+        except BaseException:
+            self.close_all()
+            raise
+
+    def close_all(self) -> None:
+        for pool in self.device + self.host:
+            pool.close()
+            try:
+                pool.unlink()
+            except FileNotFoundError:   # someone removed /dev/shm/<name> by hand: nothing to do
+                pass
+        self.device, self.host = [], []
+
+
+def _create_device_pool(config: Config, rank: int) -> BlockPool:
+    device = "cpu" if config.device == "cpu" else f"cuda:{rank}"
+    return BlockPool.create(unique_pool_name(f"device{rank}"), config.num_device_blocks,
+                            config.block_bytes, device)
+
+
+def _cuda_ipc_handles(pools: list[BlockPool]) -> list[str]:
+    """CUDA only, UNTESTED here (no GPU on CI): per rank, the pickled IPC handle of its device pool,
+    base64 text so msgpack carries it; a worker rebuilds the tensor with kvstore.client.attach_pools.
+    This process must keep the tensors alive for as long as workers map them (it does: until exit)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    return [base64.b64encode(pickle.dumps(reduce_tensor(p.blocks))).decode("ascii") for p in pools]
+
+
+def pool_info(config: Config, pools: Pools) -> protocol.PoolInfo:
+    return protocol.PoolInfo(
+        block_size=config.block_size, block_bytes=config.block_bytes,
+        num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
+        device_pool_names=[p.name for p in pools.device], host_pool_names=[p.name for p in pools.host],
+        device="cpu" if config.device == "cpu" else "cuda",
+        enable_prefix_caching=config.enable_prefix_caching,
+        ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device))
+
+
+# ---- the service core: frames in, frames out ---------------------------------------------------
+
+class KVStoreService:
+    """Answers one decoded request at a time; no sockets, so tests can drive it directly."""
+
+    def __init__(self, store: BlockStore, info: protocol.PoolInfo):
+        self.store = store
+        self.info = info
+        self.last_step: int | None = None
+        self._handlers = {protocol.ApplyOps: self._apply, protocol.GetPoolInfo: lambda _: self.info,
+                          protocol.GetStats: lambda _: protocol.StatsReply(self.store.stats()),
+                          protocol.Ping: _pong}
+
+    def handle(self, frames: list) -> list:
+        """Request frames -> reply frames. Never raises: every failure becomes an Error reply."""
+        try:
+            msg = protocol.decode(frames)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                log.warning("rejected %s: not a kvstore request", type(msg).__name__)
+                reply = protocol.Error(f"the kvstore does not handle {type(msg).__name__}", code=404)
+            else:
+                reply = handler(msg)
+        except protocol.ProtocolError as e:
+            log.warning("rejected a malformed message: %s", e)
+            reply = protocol.Error(str(e), code=400)
+        except Exception as e:  # a bug must not take the pools down with it: answer and carry on
+            log.error("internal error: %r", e)
+            reply = protocol.Error(f"internal error: {e!r}", code=500, type="internal_error")
+        return protocol.encode(reply)
+
+    def _apply(self, msg: protocol.ApplyOps):
+        if self.last_step is not None and msg.step <= self.last_step:
+            log.warning("rejected ApplyOps step %d: step %d was already applied", msg.step, self.last_step)
+            return protocol.Error(f"step {msg.step} is not after the last applied step {self.last_step}: "
+                                  f"not applied again", code=409, param="step")
+        error = None
+        try:
+            results = apply_ops(self.store, msg.ops)   # ReplayError (malformed): nothing applied
+        except ReplicaDiverged as e:
+            log.error("step %d: %s", msg.step, e)
+            results, error = e.results, str(e)
+        self.last_step = msg.step
+        return protocol.ApplyOpsReply(msg.step, results, self.store.num_free_device_blocks,
+                                      self.store.num_free_host_blocks, error)
+
+
+def _pong(msg: protocol.Ping) -> protocol.Pong:
+    return protocol.Pong(sender="kvstore", time=time.time(), role="kvstore", ready=True)
+
+
+# ---- the process -------------------------------------------------------------------------------
+
+def run(config: Config) -> int:
+    """Serve until SIGTERM/SIGINT; 0 on a clean stop, 1 if the socket or the pools cannot be set up."""
+    config.validate()
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s kvstore %(levelname)s %(message)s")
+    stop = threading.Event()
+    restore = _on_stop_signals(stop)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    pools = None
+    try:
+        try:
+            sock.bind(config.endpoint)   # first: a busy port must fail before the pools are made
+        except zmq.ZMQError as e:
+            log.error("cannot bind %s: %s", config.endpoint, e)
+            return 1
+        try:
+            pools = Pools(config)
+            store = BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
+                               config.enable_prefix_caching, pools.device, pools.host)
+            service = KVStoreService(store, pool_info(config, pools))
+        except (OSError, ValueError, RuntimeError) as e:
+            log.error("cannot create the pools: %s", e)
+            return 1
+        log.info("serving on %s: %d device + %d host blocks of %d bytes, %d rank(s), device pools %s",
+                 config.endpoint, config.num_device_blocks, config.num_host_blocks, config.block_bytes,
+                 config.tp_size, [p.name for p in pools.device])
+        _serve(sock, service, stop)
+        log.info("stopping: closing and unlinking the pools")
+        return 0
+    finally:
+        if pools is not None:
+            pools.close_all()
+        sock.close()
+        ctx.term()
+        restore()
+
+
+def _serve(sock: zmq.Socket, service: KVStoreService, stop: threading.Event) -> None:
+    # Blocks in poll (never spins); a stop signal is seen within POLL_MS.
+    while not stop.is_set():
+        if not sock.poll(POLL_MS, zmq.POLLIN):
+            continue
+        identity, *frames = sock.recv_multipart()   # copying small frames beats tracking zero-copy ones
+        sock.send_multipart([identity, *service.handle(frames)])
+
+
+def _on_stop_signals(stop: threading.Event):
+    """SIGTERM and SIGINT set `stop` (main thread only); returns a function restoring the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line naming the cause (no usage block): launchers show the first line of a failure.
+        self.exit(2, f"kvstore: {message} (see --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _OneLineParser(prog="pagedserve kvstore", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)   # a bad flag: exits 2 with one line
+    try:
+        config = config_from_args(args).validate()
+    except ValueError as e:
+        print(f"kvstore: {e}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
