@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import time
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[SharingResult]:
             print()
             results += table
     print(f"block size {args.block_size}, prefix caching off, {time.perf_counter() - started:.0f} s "
-          f"with {args.threads} torch thread(s)")
+          f"with {args.threads} torch thread(s), load average {os.getloadavg()[0]:.1f}")
     return results
 
 

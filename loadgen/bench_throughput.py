@@ -12,6 +12,7 @@ credited with each request's own max_tokens only, never a padded batch's extra t
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -171,7 +172,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
             same = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
         print(format_table(runs, source))
         print(f"{same}/{len(reqs)} requests generated identical greedy tokens on both; "
-              f"{args.threads} torch thread(s), transformers batches of {args.batch_size}")
+              f"{args.threads} torch thread(s), transformers batches of {args.batch_size}; "
+              f"load average {os.getloadavg()[0]:.1f} (other work on the box skews both, "
+              f"more threads skew more)")
         if args.profile:
             profile_engine(engine, reqs)
     return runs
