@@ -46,15 +46,20 @@ def cmd_tiny_model(args) -> int:
 def cmd_generate(args) -> int:
     from services.engine import Engine
     from services.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0).validate()
-    with Engine(_engine_config(args)) as engine:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, n=args.n, beam_width=args.beam_width,
+                            ignore_eos=args.ignore_eos).validate()
+    config = _engine_config(args)
+    with Engine(config) as engine:
         outputs = engine.generate(args.prompt, params)
         stats = engine.stats()
     if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in outputs], "stats": stats}, indent=2))
+        print(json.dumps({"outputs": [{"prompt": p, **o.to_dict()} for p, o in zip(args.prompt, outputs)],
+                          "stats": stats}, indent=2))
     else:
         for prompt, out in zip(args.prompt, outputs):
-            print(f"--- {prompt!r}\n{out.text}")
+            for choice in out.outputs:
+                print(f"--- {prompt!r} [{choice.index}]\n{choice.text}")
     return 0
 
 
@@ -79,6 +84,33 @@ def cmd_demo(args) -> int:
     return 0
 
 
+SERVICES = {
+    "up": ("services.launcher", "start the whole stack (kvstore, workers, scheduler, routers) and wait"),
+    "router": ("services.router.service", "one HTTP router (OpenAI-compatible API)"),
+    "scheduler": ("services.scheduler.service", "the scheduler of one engine replica"),
+    "worker": ("services.worker.service", "one model worker (one per device / tensor-parallel rank)"),
+    "kvstore": ("kvstore.service", "the KV block-store service of one engine replica"),
+}
+
+
+def _add_service_commands(sub) -> None:
+    # Listed for --help only; main() hands these commands to their own module's parser, so that
+    # `pagedserve tiny-model` does not import the router's web stack and so on.
+    for name, (_, help_text) in SERVICES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+
+
+def _service_args(argv: list[str]):
+    import importlib
+    module = importlib.import_module(SERVICES[argv[0]][0])
+    parser = argparse.ArgumentParser(prog=f"pagedserve {argv[0]}", description=SERVICES[argv[0]][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    args.command = argv[0]
+    args.func = lambda a: module.run(module.config_from_args(a))
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,8 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     p.add_argument("--prompt", action="append", required=True)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="parallel samples per prompt (they share its blocks)")
+    p.add_argument("--beam-width", type=int, default=1)
+    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print ids, text and engine stats as JSON")
     p.set_defaults(func=cmd_generate)
+
+    _add_service_commands(sub)
 
     p = sub.add_parser("demo", help="offline engine demo on a tiny model (built on first use)")
     p.add_argument("--model-dir", default=".cache/tiny-llama")
@@ -103,13 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from services.engine_config import ConfigError
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _service_args(argv) if argv and argv[0] in SERVICES else build_parser().parse_args(argv)
     from services.tiny_model import TinyModelError
     from services.worker.model_loader import ModelLoadError
     from services.sampling_params import SamplingParamsError
     from services.engine import PromptTooLongError
-    expected = (CLIError, ConfigError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
+    expected = (CLIError, ValueError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
     try:
         return args.func(args)
     except expected as e:

@@ -1,0 +1,105 @@
+"""The command line: generate --json, tiny-model, and one clear stderr line for every bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, needle: str) -> None:
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_generate_json(capsys, tiny_llama):
+    code, out, _ = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "def f(x):",
+                           "--prompt", "import os", "--max-tokens", "5", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert len(data["outputs"]) == 2
+    for o in data["outputs"]:
+        assert 1 <= len(o["outputs"][0]["token_ids"]) <= 5 and isinstance(o["outputs"][0]["text"], str)
+    assert data["stats"]["device_blocks_used"] == 0
+
+
+def test_generate_sampling_flags(capsys, tiny_llama):
+    code, out, _ = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "x", "--max-tokens", "4",
+                           "--n", "2", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "1",
+                           "--num-device-blocks", "16", "--block-size", "8", "--preemption-mode", "swap",
+                           "--swap-space", "0.01", "--json")
+    assert code == 0 and len(json.loads(out)["outputs"][0]["outputs"]) == 2
+
+
+def test_missing_files(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "x")
+    assert_one_line_error(code, err, "safetensors")
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert_one_line_error(code, err, "does not exist")
+
+
+def test_unsupported_architecture(capsys, tiny_llama, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, "generate", "--model", str(folder), "--prompt", "x")
+    assert_one_line_error(code, err, "unsupported architecture")
+
+
+def test_prompt_longer_than_model(capsys, tiny_llama):
+    code, _, err = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "word " * 3000)
+    assert_one_line_error(code, err, "maximum context")
+
+
+def test_block_size_not_power_of_two(capsys, tiny_llama):
+    code, _, err = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "x", "--block-size", "12")
+    assert_one_line_error(code, err, "power of two")
+
+
+def test_bad_sampling_flag(capsys, tiny_llama):
+    code, _, err = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "x", "--temperature", "-1")
+    assert_one_line_error(code, err, "temperature")
+
+
+def test_pool_too_small_for_one_request(capsys, tiny_llama):
+    code, _, err = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "word " * 40,
+                           "--num-device-blocks", "1")
+    assert_one_line_error(code, err, "device pool")
+
+
+def test_tiny_model_refuses_non_empty_folder(capsys, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "tiny-model", str(tmp_path), "--arch", "llama")
+    assert_one_line_error(code, err, "not an empty folder")
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_console_script_tiny_model_loads_in_transformers(tmp_path):
+    """The installed `pagedserve` entry point, in a fresh process, writes a folder transformers reads offline."""
+    exe = Path(sys.executable).with_name("pagedserve")
+    out = tmp_path / "opt"
+    subprocess.run([str(exe), "tiny-model", str(out), "--arch", "opt", "--seed", "3"], check=True,
+                   capture_output=True, timeout=180)
+    code = ("from transformers import AutoModelForCausalLM, AutoTokenizer; import sys; "
+            f"t = AutoTokenizer.from_pretrained({str(out)!r}); m = AutoModelForCausalLM.from_pretrained({str(out)!r}); "
+            "c = t.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True, tokenize=False); "
+            "assert '<|assistant|>' in c; print(m.config.model_type)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "opt", res.stderr
