@@ -109,8 +109,11 @@ class RecordingStore:
 
     def append_slots(self, seq_id: int, token_ids) -> AppendResult:
         r = self.store.append_slots(seq_id, token_ids)
-        if r.ok and len(token_ids):
-            self._ops.append(["append_slots", int(seq_id), [int(t) for t in token_ids]])
+        n = len(token_ids)
+        if r.ok and n:
+            # The store's own copy of the new tokens: already plain ints, and a slice is cheaper
+            # than converting them again (this runs for every running sequence every step).
+            self._ops.append(["append_slots", int(seq_id), self.store._seqs[seq_id].token_ids[-n:]])
             self._results.append(encode_result(r) if r.copies else _NO_COPIES)
         return r
 
@@ -179,19 +182,23 @@ def _plan(store: BlockStore, ops: Any) -> list[tuple]:
     if type(ops) is not list:
         raise ReplayError("ops must be a list")
     shadow = _Shadow(store)
+    methods = {name: getattr(store, name) for name in OPS}
     plan = []
     for i, op in enumerate(ops):
         if type(op) is not list or not op:
             raise ReplayError(f"ops[{i}]: an op is a non-empty list [name, *args]")
-        check = _CHECKS.get(op[0]) if type(op[0]) is str else None
+        name = op[0]
+        check = _CHECKS.get(name) if type(name) is str else None
         if check is None:
-            raise ReplayError(f"ops[{i}]: unknown op {op[0]!r}")
+            raise ReplayError(f"ops[{i}]: unknown op {name!r}")
         try:
-            args = check(shadow, op)
+            plan.append((methods[name], check(shadow, op)))
         except ReplayError as e:
-            raise ReplayError(f"ops[{i}] ({op[0]}): {e}") from None
-        plan.append((getattr(store, op[0]), args))
+            raise ReplayError(f"ops[{i}] ({name}): {e}") from None
     return plan
+
+
+_UNSEEN = object()
 
 
 class _Shadow:
@@ -202,12 +209,11 @@ class _Shadow:
         self.seqs: dict[int, list | None] = {}   # seq id -> [location, num_tokens]; None: absent
 
     def get(self, seq_id: int) -> list | None:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
+        s = self.seqs.get(seq_id, _UNSEEN)
+        if s is _UNSEEN:
             t = self.store._seqs.get(seq_id)
-            s = self.seqs[seq_id] = [t.location, t.num_tokens] if t is not None else None
-            return s
+            s = self.seqs[seq_id] = [t.location, len(t.token_ids)] if t is not None else None
+        return s
 
     def existing(self, seq_id: Any, location: str | None = None) -> list:
         if type(seq_id) is not int:
@@ -233,9 +239,13 @@ def _arity(op: list, lo: int, hi: int) -> None:
 
 
 def _int_list(value: Any, what: str) -> list[int]:
-    if type(value) is not list or not all(type(x) is int for x in value):
-        raise ReplayError(f"{what} must be a list of ints")
-    return value
+    if type(value) is list:
+        for x in value:   # a plain loop: most lists here hold one token
+            if type(x) is not int:
+                break
+        else:
+            return value
+    raise ReplayError(f"{what} must be a list of ints")
 
 
 def _check_keys(keys: Any) -> None:
@@ -268,14 +278,16 @@ def _check_allocate(shadow: _Shadow, op: list) -> tuple:
 
 
 def _check_append(shadow: _Shadow, op: list) -> tuple:
-    _arity(op, 2, 2)
+    if len(op) != 3:
+        _arity(op, 2, 2)
     s = shadow.existing(op[1], DEVICE)
     s[1] += len(_int_list(op[2], "token_ids"))
     return op[1], op[2]
 
 
 def _check_mark(shadow: _Shadow, op: list) -> tuple:
-    _arity(op, 2, 2)
+    if len(op) != 3:
+        _arity(op, 2, 2)
     s = shadow.existing(op[1], DEVICE)
     n = op[2]
     if type(n) is not int or not 0 <= n <= s[1]:

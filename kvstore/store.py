@@ -140,16 +140,24 @@ class BlockStore:
         copy-on-write copies included. A block shared by r tables of which w write: w copies when
         w < r, w - 1 when w == r (the last writer owns it by then)."""
         tables = self._tables(seq_ids, DEVICE)
-        writers: Counter[int] = Counter()
+        if num_new_tokens <= 0:
+            return 0
+        # Called for every running request every step: plain loops, no Counter unless a written
+        # block is actually shared (rare outside forks and beams).
+        refcounts, bs = self._device._refcounts, self.block_size
+        writers: Counter[int] | None = None
         new = 0
         for t in tables:
-            lo, hi = self._append_span(t, num_new_tokens)
-            writers.update(t.blocks[i] for i in range(lo, min(hi, len(t.blocks))))
-            new += max(0, hi - len(t.blocks))
-        for block, w in writers.items():
-            shared = self._device.refcount(block)
-            if shared > 1:
-                new += w if w < shared else w - 1
+            n, blocks = len(t.token_ids), t.blocks
+            lo, hi = n // bs, (n + num_new_tokens - 1) // bs + 1
+            for i in range(lo, min(hi, len(blocks))):
+                if refcounts[blocks[i]] > 1:
+                    writers = writers if writers is not None else Counter()
+                    writers[blocks[i]] += 1
+            if hi > len(blocks):
+                new += hi - len(blocks)
+        for block, w in (writers or {}).items():
+            new += w if w < refcounts[block] else w - 1
         return new
 
     def can_append(self, seq_ids: Iterable[int], num_new_tokens: int = 1) -> bool:
@@ -158,26 +166,35 @@ class BlockStore:
     def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> AppendResult:
         """Grow a device sequence by token_ids: copy shared blocks it will write, add blocks past its
         end. The new tokens' slots are slot_mapping(seq_id, old_len, new_len) afterwards."""
-        t = self._table(seq_id, DEVICE)
+        t = self._seqs.get(seq_id)
+        if t is None or t.location != DEVICE:
+            t = self._table(seq_id, DEVICE)   # raises the right ValueError
         if len(token_ids) == 0:
             return AppendResult(True)
-        lo, hi = self._append_span(t, len(token_ids))
-        cow = [i for i in range(lo, min(hi, len(t.blocks))) if self._device.refcount(t.blocks[i]) > 1]
-        new = max(0, hi - len(t.blocks))
-        if len(cow) + new > self._device.num_free:
+        n, bs = len(t.token_ids), self.block_size   # _append_span, inlined: this runs per token
+        lo, hi = n // bs, (n + len(token_ids) - 1) // bs + 1
+        blocks, refcounts = t.blocks, self._device._refcounts
+        cow = [i for i in range(lo, min(hi, len(blocks))) if refcounts[blocks[i]] > 1]
+        new = hi - len(blocks) if hi > len(blocks) else 0
+        if not cow and not new:   # the decode common case: the token lands in a block it owns
+            t.token_ids.extend([int(x) for x in token_ids])
+            return AppendResult(True)
+        free = self._device.num_free
+        if len(cow) + new > free:
             return AppendResult(False, [], f"needs {len(cow) + new} device blocks "
-                                           f"({len(cow)} copy-on-write), {self._device.num_free} free")
+                                           f"({len(cow)} copy-on-write), {free} free")
         copies = []
         for i, dst in zip(cow, self._device.allocate(len(cow))):
-            src = t.blocks[i]
+            src = blocks[i]
             self._device.decref(src, keep_cached=self._has_hash(src, DEVICE))  # others still hold it
-            t.blocks[i] = dst
+            blocks[i] = dst
             copies.append((src, dst))
-        for pool in self.device_pools:
-            copy_within(pool, copies)
-        t.blocks.extend(self._device.allocate(new))
-        t.token_ids.extend(int(x) for x in token_ids)
-        self._counters["cow_copies"] += len(copies)
+        if copies:
+            for pool in self.device_pools:
+                copy_within(pool, copies)
+            self._counters["cow_copies"] += len(copies)
+        blocks.extend(self._device.allocate(new))
+        t.token_ids.extend([int(x) for x in token_ids])
         self._note_peak()
         return AppendResult(True, copies)
 
@@ -273,7 +290,8 @@ class BlockStore:
         return list(self._table(seq_id).blocks)
 
     def num_tokens(self, seq_id: int) -> int:
-        return self._table(seq_id).num_tokens
+        t = self._seqs.get(seq_id)   # asked per sequence per step: skip _table's call when it exists
+        return len(t.token_ids) if t is not None else self._table(seq_id).num_tokens
 
     def location(self, seq_id: int) -> str:
         return self._table(seq_id).location
@@ -380,7 +398,7 @@ class BlockStore:
 
     def _tables(self, seq_ids: Iterable[int], location: str) -> list[SequenceTable]:
         ids = list(seq_ids)
-        if len(set(ids)) != len(ids):
+        if len(ids) > 1 and len(set(ids)) != len(ids):
             raise ValueError(f"duplicate sequence ids in {ids}")
         return [self._table(s, location) for s in ids]
 
