@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from services.worker.models import MODEL_REGISTRY
+from services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, read_shard
 
 
 class ModelLoadError(Exception):
@@ -29,11 +30,20 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    num_attention_heads: int = 0         # query heads; 0: as many as KV heads (no GQA)
 
-    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one KV block: K and V for every layer and KV head (see docs/INTERFACES.md)."""
+    def kv_heads_per_rank(self, tp_size: int = 1) -> int:
+        """KV heads in one tensor-parallel rank's pool; TPConfigError if the heads do not split."""
+        if tp_size == 1:
+            return self.num_kv_heads
+        num_heads = self.num_attention_heads or self.num_kv_heads
+        return head_shard(num_heads, self.num_kv_heads, TensorParallel(0, tp_size)).num_kv_heads
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one KV block of one rank: K and V for every layer and for that rank's KV heads
+        (see docs/INTERFACES.md). Every rank's block has the same size."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim * itemsize
 
 
 def _eos_ids(path: Path, cfg) -> tuple[int, ...]:
@@ -81,12 +91,16 @@ def inspect_model_dir(model_dir: str | Path):
     spec = ModelSpec(
         path=str(path), architecture=supported[0], num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        vocab_size=cfg.vocab_size, max_model_len=max_len, eos_token_ids=_eos_ids(path, cfg))
+        vocab_size=cfg.vocab_size, max_model_len=max_len, eos_token_ids=_eos_ids(path, cfg),
+        num_attention_heads=num_heads)
     return cfg, spec
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Build the paged model for the folder and load its safetensors weights -> (model, spec)."""
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               tp: TensorParallel = SINGLE):
+    """Build the paged model for the folder and load its safetensors weights -> (model, spec).
+
+    With tp.size > 1 the model is rank tp.rank's shard and only that rank's slices are read."""
     from safetensors import safe_open
 
     cfg, spec = inspect_model_dir(model_dir)
@@ -94,7 +108,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MODEL_REGISTRY[spec.architecture](cfg)
+            model = MODEL_REGISTRY[spec.architecture](cfg, tp)
+    except TPConfigError as e:
+        raise ModelLoadError(f"cannot split {model_dir} over {tp.size} ranks: {e}") from None
     finally:
         torch.set_default_dtype(previous)
     params = dict(model.named_parameters())
@@ -104,7 +120,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
             for name in f.keys():
                 if name not in params:
                     continue  # e.g. rotary inv_freq buffers some checkpoints carry
-                tensor = f.get_tensor(name)
+                tensor = read_shard(f, name, params[name])   # the whole tensor when unsharded
                 if tensor.shape != params[name].shape:
                     raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(params[name].shape)}")

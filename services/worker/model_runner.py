@@ -23,21 +23,30 @@ class SeqStep:
     wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
 
 
-def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, dtype: torch.dtype):
-    """uint8 [N, block_bytes] pool -> per layer (k_cache, v_cache), each [N, B, Hkv, D] (strided views)."""
+def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, dtype: torch.dtype,
+                   tp_size: int = 1):
+    """uint8 [N, block_bytes] pool -> per layer (k_cache, v_cache), each [N, B, Hkv, D] (strided views).
+
+    With tensor parallelism the pool is one rank's and Hkv is that rank's KV heads."""
     n = pool_blocks.shape[0]
-    kv = pool_blocks.view(dtype).view(n, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+    want = spec.block_bytes(block_size, dtype, tp_size)
+    if pool_blocks.shape[1] != want:
+        raise ValueError(f"pool blocks have {pool_blocks.shape[1]} bytes; this model needs {want} "
+                         f"(block size {block_size}, {dtype}, tp_size {tp_size})")
+    hkv = spec.kv_heads_per_rank(tp_size)
+    kv = pool_blocks.view(dtype).view(n, spec.num_layers, 2, block_size, hkv, spec.head_dim)
     return [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(spec.num_layers)]
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool_blocks: torch.Tensor,
-                 block_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 block_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 tp_size: int = 1):
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_caches = kv_cache_views(pool_blocks, spec, block_size, dtype)
+        self.kv_caches = kv_cache_views(pool_blocks, spec, block_size, dtype, tp_size)
 
     def prepare(self, steps: list[SeqStep]):
         """Flatten the ragged batch: ids/positions [T], slot mapping [T], block tables [S, max_blocks]."""
@@ -78,8 +87,17 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 
     @torch.inference_mode()
-    def execute(self, steps: list[SeqStep]) -> torch.Tensor:
-        """Run one step; logits [R, vocab] float32 for the steps with wants_logits, in order."""
+    def execute(self, steps: list[SeqStep], compute_logits: bool = True) -> torch.Tensor | None:
+        """Run one step; logits [R, vocab] float32 for the steps with wants_logits, in order.
+
+        compute_logits=False (tensor-parallel ranks > 0, which do not sample) only writes the KV
+        cache and takes part in the collectives; it returns None."""
         input_ids, positions, meta = self.prepare(steps)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)   # [T, hidden]
+        if not compute_logits:
+            return None
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    def close(self) -> None:
+        """Drop the views of the pool (before the pool's mapping is closed: touching them would segfault)."""
+        self.kv_caches = []

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from services.worker.attn_metadata import AttentionMetadata
 from services.worker.models.attention import paged_attention_layer
 from services.worker.models.rope import RotaryEmbedding
+from services.worker.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard, split
 
 
 class RMSNorm(nn.Module):
@@ -29,18 +30,22 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, bias: bool):
+    """This rank's query heads and KV heads (all of them when tp.size == 1)."""
+
+    def __init__(self, cfg, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shard = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = ColumnParallelLinear(h, shard.num_heads * D, shard.q_start * D, bias, tp)
+        self.k_proj = ColumnParallelLinear(h, shard.num_kv_heads * D, shard.kv_start * D, bias, tp)
+        self.v_proj = ColumnParallelLinear(h, shard.num_kv_heads * D, shard.kv_start * D, bias, tp)
         # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too.
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.o_proj = RowParallelLinear(shard.num_heads * D, shard.q_start * D, h,
+                                        bool(getattr(cfg, "attention_bias", False)), tp)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]                                               # x: [T, hidden]
@@ -53,13 +58,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h = cfg.hidden_size
+        i = split(cfg.intermediate_size, tp.size, "intermediate_size")   # this rank's features
+        start = tp.rank * i
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = ColumnParallelLinear(h, i, start, bias, tp)
+        self.up_proj = ColumnParallelLinear(h, i, start, bias, tp)
+        self.down_proj = RowParallelLinear(i, start, h, bias, tp)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
 
@@ -68,10 +75,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool):
+    def __init__(self, cfg, qkv_bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, qkv_bias)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -81,21 +88,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool):
+    def __init__(self, cfg, qkv_bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # replicated on every rank
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Qwen2 is this model with bias on q/k/v; Mistral is this model (sliding window capped away)."""
+    """Qwen2 is this model with bias on q/k/v; Mistral is this model (sliding window capped away).
 
-    def __init__(self, cfg):
+    With tp.size > 1 this is one rank's shard (services.worker.tp); lm_head stays whole."""
+
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        self.model = LlamaModel(cfg, qkv_bias)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, qkv_bias, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # replicated
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -12,23 +12,28 @@ import torch.nn.functional as F
 
 from services.worker.attn_metadata import AttentionMetadata
 from services.worker.models.attention import paged_attention_layer
+from services.worker.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard, split
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, cfg):
+    """This rank's heads (all of them when tp.size == 1); OPT has as many KV heads as query heads."""
+
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
         h = cfg.hidden_size
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = h // self.num_heads
+        shard = head_shard(cfg.num_attention_heads, cfg.num_attention_heads, tp)
+        self.num_heads = shard.num_heads
+        self.head_dim = D = h // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         bias = getattr(cfg, "enable_bias", True)
-        self.q_proj = nn.Linear(h, h, bias=bias)
-        self.k_proj = nn.Linear(h, h, bias=bias)
-        self.v_proj = nn.Linear(h, h, bias=bias)
-        self.out_proj = nn.Linear(h, h, bias=bias)
+        local, start = shard.num_heads * D, shard.q_start * D
+        self.q_proj = ColumnParallelLinear(h, local, start, bias, tp)
+        self.k_proj = ColumnParallelLinear(h, local, start, bias, tp)
+        self.v_proj = ColumnParallelLinear(h, local, start, bias, tp)
+        self.out_proj = RowParallelLinear(local, start, h, bias, tp)
 
     def forward(self, x, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]                                                # x: [T, hidden]
@@ -40,15 +45,16 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
         affine = getattr(cfg, "layer_norm_elementwise_affine", True)
         bias = getattr(cfg, "enable_bias", True)
         self.pre_norm = cfg.do_layer_norm_before
-        self.self_attn = OPTAttention(cfg)
+        self.self_attn = OPTAttention(cfg, tp)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=bias)
+        ffn = split(cfg.ffn_dim, tp.size, "ffn_dim")   # this rank's features
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn, tp.rank * ffn, bias, tp)
+        self.fc2 = RowParallelLinear(ffn, tp.rank * ffn, cfg.hidden_size, bias, tp)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
         if cfg.activation_function not in ACTIVATIONS:
             raise ValueError(f"unsupported activation_function {cfg.activation_function!r}")
@@ -65,7 +71,9 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, cfg):
+    """Embeddings, positions and project_in/out are replicated on every rank; layers are sharded."""
+
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
         proj = cfg.word_embed_proj_dim
         self.embed_tokens = nn.Embedding(cfg.vocab_size, proj)
@@ -75,20 +83,22 @@ class OPTDecoder(nn.Module):
         keep_final = cfg.do_layer_norm_before and not getattr(cfg, "_remove_final_layer_norm", False)
         affine = getattr(cfg, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine) if keep_final else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
 
 
 class OPTModel(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.decoder = OPTDecoder(cfg)
+        self.decoder = OPTDecoder(cfg, tp)
 
 
 class OPTForCausalLM(nn.Module):
-    def __init__(self, cfg):
+    """With tp.size > 1 this is one rank's shard (services.worker.tp); lm_head stays whole."""
+
+    def __init__(self, cfg, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.model = OPTModel(cfg)
-        self.lm_head = nn.Linear(cfg.word_embed_proj_dim, cfg.vocab_size, bias=False)
+        self.model = OPTModel(cfg, tp)
+        self.lm_head = nn.Linear(cfg.word_embed_proj_dim, cfg.vocab_size, bias=False)   # replicated
         if getattr(cfg, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 

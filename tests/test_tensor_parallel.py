@@ -1,0 +1,178 @@
+"""Tensor parallelism: 2 CPU ranks (gloo) decode exactly what 1 rank decodes; shards are the right slices.
+
+The multi-rank test drives ModelRunner directly in spawned processes (each rank with its own KV pool
+holding its KV heads, block tables from a pool-less BlockStore), so it needs no kvstore or sockets
+beyond gloo's; tests/test_worker_service.py covers the served path.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.store import BlockStore
+from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model
+from services.worker.model_runner import ModelRunner, SeqStep
+from services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, kv_heads_per_rank
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+PROMPT_LENS = (5, 17, 33, 40)
+MAX_NEW = 12
+TP_ARCHS = ("llama", "qwen2", "opt")   # GQA; q/k/v bias (column-parallel biases); OPT's fc1/fc2
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def greedy_decode(model_dir: str, tp: TensorParallel) -> list[list[int]]:
+    """Batched greedy decode of `prompts` over this rank's own pool; every rank returns the tokens."""
+    dtype = torch.float32
+    model, spec = load_model(model_dir, dtype, "cpu", tp)
+    pool = torch.zeros((NUM_BLOCKS, spec.block_bytes(BLOCK_SIZE, dtype, tp.size)), dtype=torch.uint8)
+    runner = ModelRunner(model, spec, pool, BLOCK_SIZE, dtype, "cpu", tp.size)
+    store = BlockStore(NUM_BLOCKS, 0, BLOCK_SIZE, enable_prefix_caching=False)
+    ids = prompts(spec.vocab_size)
+    outs: list[list[int]] = [[] for _ in ids]
+    for seq_id, p in enumerate(ids):
+        assert store.allocate(seq_id, p).ok
+    steps = [SeqStep(i, p, 0, store.block_table(i)) for i, p in enumerate(ids)]
+    for _ in range(MAX_NEW):
+        logits = runner.execute(steps)                       # [S, vocab], identical on every rank
+        for seq_id, tok in enumerate(logits.argmax(-1).tolist()):
+            outs[seq_id].append(tok)
+        steps = []
+        for seq_id, out in enumerate(outs):
+            assert store.append_slots(seq_id, [out[-1]]).ok
+            start = len(ids[seq_id]) + len(out) - 1
+            steps.append(SeqStep(seq_id, [out[-1]], start, store.block_table(seq_id)))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def biased_model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    """The tiny models with random biases: random init leaves them zero, and a bias added on every
+    rank (or sliced where it must stay whole) would then go unnoticed."""
+    from safetensors.torch import load_file, save_file
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    for arch in TP_ARCHS:
+        src, dst = Path(tiny_model_dirs[arch]), tmp_path_factory.mktemp(f"biased-{arch}")
+        for f in src.iterdir():
+            shutil.copy(f, dst / f.name)
+        weights = load_file(str(src / "model.safetensors"))
+        for name, w in weights.items():
+            if name.endswith(".bias"):
+                weights[name] = 0.2 * torch.randn(w.shape, generator=g)
+        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        out[arch] = str(dst)
+    return out
+
+
+def _rank_main(rank: int, size: int, port: int, model_dirs: dict, results) -> None:
+    from services.worker.tp import close_tensor_parallel, init_tensor_parallel
+    torch.set_num_threads(1)   # two ranks on a 2-core box
+    tp = init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", timeout_s=60)
+    try:
+        results.put((rank, {arch: greedy_decode(d, tp) for arch, d in model_dirs.items()}))
+    except BaseException as e:
+        results.put((rank, repr(e)))
+        raise
+    finally:
+        close_tensor_parallel(tp)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_decode_like_one(biased_model_dirs):
+    dirs = biased_model_dirs
+    ctx = mp.get_context("spawn")   # not fork: the parent's OpenMP and gloo state must not leak in
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, dirs, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), got
+    expected = {arch: greedy_decode(d, SINGLE) for arch, d in dirs.items()}
+    assert got[0] == expected and got[1] == expected
+
+
+# ---- shards without a process group: slicing and its arithmetic ---------------------------------
+
+def test_head_shards_split_and_replicate():
+    # 8 query heads, 4 KV heads over 2 ranks: 4 + 2 each.
+    s = head_shard(8, 4, TensorParallel(1, 2))
+    assert (s.q_start, s.num_heads, s.kv_start, s.num_kv_heads) == (4, 4, 2, 2)
+    # 8 query heads, 2 KV heads over 4 ranks: KV heads replicated, each rank's 2 query heads map onto its one.
+    for rank in range(4):
+        s = head_shard(8, 2, TensorParallel(rank, 4))
+        assert (s.q_start, s.num_heads, s.num_kv_heads) == (2 * rank, 2, 1)
+        group = 8 // 2
+        assert s.kv_start == s.q_start // group == (s.q_start + s.num_heads - 1) // group
+    assert kv_heads_per_rank(2, 4) == 1 and kv_heads_per_rank(4, 2) == 2 and kv_heads_per_rank(4, 1) == 4
+    with pytest.raises(TPConfigError, match="num_attention_heads"):
+        head_shard(6, 2, TensorParallel(0, 4))
+    with pytest.raises(TPConfigError, match="num_key_value_heads"):
+        head_shard(12, 3, TensorParallel(0, 2))
+
+
+def test_rank_shards_are_slices_of_the_checkpoint(tiny_llama):
+    """tp=4 over the tiny llama (4 query heads, 2 KV heads): KV heads replicated on rank pairs."""
+    full, spec = load_model(tiny_llama)
+    D = spec.head_dim
+    attn, mlp = full.model.layers[1].self_attn, full.model.layers[1].mlp
+    for rank in range(4):
+        shard, _ = load_model(tiny_llama, tp=TensorParallel(rank, 4))
+        a, m = shard.model.layers[1].self_attn, shard.model.layers[1].mlp
+        kv = rank // 2
+        assert torch.equal(a.q_proj.weight, attn.q_proj.weight[rank * D:(rank + 1) * D])
+        assert torch.equal(a.k_proj.weight, attn.k_proj.weight[kv * D:(kv + 1) * D])
+        assert torch.equal(a.v_proj.weight, attn.v_proj.weight[kv * D:(kv + 1) * D])
+        assert torch.equal(a.o_proj.weight, attn.o_proj.weight[:, rank * D:(rank + 1) * D])
+        i = mlp.gate_proj.weight.shape[0] // 4
+        assert torch.equal(m.up_proj.weight, mlp.up_proj.weight[rank * i:(rank + 1) * i])
+        assert torch.equal(m.down_proj.weight, mlp.down_proj.weight[:, rank * i:(rank + 1) * i])
+        assert torch.equal(shard.lm_head.weight, full.lm_head.weight)       # replicated
+    assert spec.block_bytes(BLOCK_SIZE, torch.float32, 4) == spec.block_bytes(BLOCK_SIZE, torch.float32) // 2
+    assert spec.block_bytes(BLOCK_SIZE, torch.float32, 2) == spec.block_bytes(BLOCK_SIZE, torch.float32) // 2
+
+
+def test_row_parallel_bias_is_added_once(tiny_model_dirs):
+    """OPT's out_proj/fc2 biases stay whole on every rank (added after the reduce, not sliced)."""
+    full, _ = load_model(tiny_model_dirs["opt"])
+    shard, _ = load_model(tiny_model_dirs["opt"], tp=TensorParallel(1, 2))
+    for f, s in zip(full.model.decoder.layers, shard.model.decoder.layers):
+        assert torch.equal(s.fc2.bias, f.fc2.bias) and torch.equal(s.self_attn.out_proj.bias, f.self_attn.out_proj.bias)
+        assert torch.equal(s.fc1.bias, f.fc1.bias[128:])                      # column-parallel: sliced
+
+
+def test_unsplittable_model_is_rejected_with_the_dimension(tiny_llama):
+    with pytest.raises(ModelLoadError, match="num_attention_heads .4. is not divisible by tp_size 3"):
+        load_model(tiny_llama, tp=TensorParallel(0, 3))
+    _, spec = inspect_model_dir(tiny_llama)
+    with pytest.raises(TPConfigError):
+        spec.block_bytes(BLOCK_SIZE, torch.float32, 3)
+
+
+def test_single_rank_takes_no_distributed_path(tiny_llama):
+    import torch.distributed as dist
+    model, _ = load_model(tiny_llama)
+    assert not any(hasattr(p, "tp_slice") for p in model.parameters())
+    assert not dist.is_initialized()
