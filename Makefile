@@ -3,9 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-TINY := .cache/tiny-llama
 
-.PHONY: serve test bench-kernels clean
+.PHONY: serve demo test bench-kernels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,7 +15,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/pagedserve demo --model-dir $(TINY)
+	$(BIN)/pagedserve up --model tiny
+
+demo: $(STAMP)
+	$(BIN)/pagedserve demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

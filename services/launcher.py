@@ -135,7 +135,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
                                      "--max-num-seqs", str(cfg.max_num_seqs),
                                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-                                     "--preemption-mode", cfg.preemption_mode, "--log-level", cfg.log_level]
+                                     "--preemption-mode", cfg.preemption_mode, "--log-level", cfg.log_level,
+                                     "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}"]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
     for i in range(cfg.routers):
         procs.append((f"router{i}", py + ["services.router.service", "--model", model, "--host", cfg.host,

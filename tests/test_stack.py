@@ -1,0 +1,176 @@
+"""The whole stack as real processes on loopback: launcher, kvstore, worker, scheduler, routers.
+
+The official `openai` SDK, unchanged, talks to it; greedy results must equal transformers'.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.stack_helpers import Stack, alive
+
+REDIS_URL = "redis://127.0.0.1:6379/9"
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Scheduler:", "x = [1, 2, 3]",
+           "# A paged KV cache", "while True:", "print('hello')", "async def main():"]
+
+
+def redis_available() -> bool:
+    try:
+        import redis
+        return bool(redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping())
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return (AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(tiny_llama))
+
+
+def hf_greedy_text(hf, ids: list[int], max_new: int) -> str:
+    model, tok = hf
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False)
+    return tok.decode(y[0, len(ids):], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama):
+    if not redis_available():
+        pytest.fail("no Redis at 127.0.0.1:6379 (.ci/run starts one)")
+    s = Stack(tiny_llama, "--redis-url", REDIS_URL, "--num-device-blocks", "256", routers=2)
+    yield s
+    s.stop()
+
+
+def client(url: str):
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def get_json(url: str, method: str = "GET"):
+    req = urllib.request.Request(url, method=method)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_completions_equal_transformers(stack, tiny_llama, hf):
+    c = client(stack.url)
+    for prompt in PROMPTS[:4]:
+        got = c.completions.create(model=tiny_llama, prompt=prompt, max_tokens=24, temperature=0)
+        ids = hf[1](prompt)["input_ids"]
+        assert got.choices[0].text == hf_greedy_text(hf, ids, 24), prompt
+        assert got.usage.prompt_tokens == len(ids)
+
+
+def test_chat_equals_transformers(stack, tiny_llama, hf):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    got = client(stack.url).chat.completions.create(model=tiny_llama, messages=messages, max_tokens=24,
+                                                    temperature=0)
+    ids = hf[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert got.choices[0].message.content == hf_greedy_text(hf, list(ids), 24)
+
+
+def test_stream_equals_non_stream(stack, tiny_llama):
+    c = client(stack.urls[1])
+    whole = c.completions.create(model=tiny_llama, prompt=PROMPTS[4], max_tokens=32, temperature=0)
+    chunks = c.completions.create(model=tiny_llama, prompt=PROMPTS[4], max_tokens=32, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    chat = c.chat.completions.create(model=tiny_llama, messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=16, temperature=0, stream=True)
+    assert any(ch.choices and ch.choices[0].delta.content for ch in chat)
+
+
+def test_n_and_logprobs(stack, tiny_llama):
+    c = client(stack.url)
+    got = c.completions.create(model=tiny_llama, prompt="import", max_tokens=8, n=3, temperature=1.0, seed=5)
+    assert sorted(ch.index for ch in got.choices) == [0, 1, 2]
+    got = c.completions.create(model=tiny_llama, prompt="import", max_tokens=6, temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) > 0 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_bad_request_gets_openai_error(stack, tiny_llama):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        client(stack.url).completions.create(model=tiny_llama, prompt="x", max_tokens=4, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in str(e.value)
+
+
+def test_two_routers_share_requests(stack, tiny_llama):
+    """A request made through router 0 is visible and cancellable through router 1."""
+    import openai
+    request_id = f"shared-{time.time_ns()}"
+    c0 = openai.OpenAI(base_url=stack.urls[0] + "/v1", api_key="x", max_retries=0, timeout=120,
+                       default_headers={"X-Request-Id": request_id})
+    finish = {}
+
+    def long_stream():
+        stream = c0.completions.create(model=tiny_llama, prompt="def f():", max_tokens=900, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+        for ch in stream:
+            if ch.choices and ch.choices[0].finish_reason:
+                finish["reason"] = ch.choices[0].finish_reason
+    t = threading.Thread(target=long_stream)
+    t.start()
+    record = None
+    for _ in range(100):
+        try:
+            record = get_json(f"{stack.urls[1]}/v1/requests/{request_id}")
+            break
+        except urllib.error.HTTPError:
+            time.sleep(0.1)
+    assert record is not None
+    get_json(f"{stack.urls[1]}/v1/requests/{request_id}/cancel", method="POST")
+    t.join(60)
+    assert not t.is_alive() and finish.get("reason") == "abort"
+
+
+def test_metrics_and_kv(stack):
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds"):
+        assert name in text
+    kv = get_json(stack.url + "/v1/kv")
+    assert kv["device_blocks_total"] == 256
+
+
+def test_preemption_across_processes(tiny_llama):
+    """A tiny device pool, swap mode: many concurrent requests, same greedy output as the engine
+    without pressure; /v1/kv shows the swaps; stopping leaves no process and no shared memory."""
+    from services.engine import Engine
+    from services.engine_config import EngineConfig
+    from services.sampling_params import SamplingParams
+    with Engine(EngineConfig(model=tiny_llama, num_device_blocks=512)) as engine:
+        expected = [o.outputs[0].text for o in engine.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))]
+    s = Stack(tiny_llama, "--num-device-blocks", "10", "--preemption-mode", "swap", "--max-num-seqs", "8")
+    try:
+        c = client(s.url)
+        got = [None] * len(PROMPTS)
+
+        def one(i):
+            got[i] = c.completions.create(model=tiny_llama, prompt=PROMPTS[i], max_tokens=40, temperature=0).choices[0].text
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert got == expected
+        kv = get_json(s.url + "/v1/kv")
+        assert kv["swap_outs"] > 0 and kv["swap_ins"] == kv["swap_outs"], kv
+    finally:
+        pids = list(s.pids)
+        code = s.stop()
+    assert code == 0
+    time.sleep(0.5)
+    assert not [p for p in pids if alive(p)], "processes left behind"
+    assert not [f for p in pids for f in Path("/dev/shm").glob(f"pagedserve-{p}-*")], "shared memory left behind"
