@@ -192,7 +192,8 @@ def _to_wire(value: Any, frames: list) -> Any:
         frames.append(np.ascontiguousarray(value).data)
         return {"__array__": len(frames) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
     if type(value) is list and value and dataclasses.is_dataclass(value[0]):
-        return [{f.name: getattr(v, f.name) for f in dataclasses.fields(v)} for v in value]
+        names = _field_names(type(value[0]))
+        return [{n: getattr(v, n) for n in names} for v in value]
     if type(value) is tuple:
         return list(value)
     return value
@@ -241,6 +242,14 @@ def _build(cls: type, body: dict, frames: list) -> Any:
 
 
 _SPECS: dict[type, list] = {}
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def _field_specs(cls: type) -> list:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.stack_helpers import Stack, alive
+from loadgen.stack import Stack, alive
 
 REDIS_URL = "redis://127.0.0.1:6379/9"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Scheduler:", "x = [1, 2, 3]",

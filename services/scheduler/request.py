@@ -44,6 +44,13 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """all_token_ids()[start:end] without copying the whole sequence (the per-step hot path)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:None if end is None else end - n]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
     def fork(self, seq_id: int, seq_index: int) -> "Sequence":
         return Sequence(seq_id, self.prompt_token_ids, list(self.output_token_ids), seq_index,
                         self.num_computed, self.cum_logprob, list(self.logprobs),

@@ -153,15 +153,16 @@ class Scheduler:
 
     def _to_append(self, seq: Sequence) -> list[int]:
         """Tokens the scheduler knows that the store has no slot for yet (the last sampled one)."""
-        return seq.all_token_ids()[self.store.num_tokens(seq.seq_id):]
+        known = self.store.num_tokens(seq.seq_id)
+        return seq.token_slice(known) if known < seq.num_tokens else []
 
     def _can_grow(self, req: Request) -> bool:
-        grow = [s.seq_id for s in req.seqs if self._to_append(s)]
+        grow = [s.seq_id for s in req.seqs if s.num_pending and self._to_append(s)]
         return not grow or self.store.can_append(grow)
 
     def _schedule_request(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
         for seq in req.seqs:
-            new = self._to_append(seq)
+            new = self._to_append(seq) if seq.num_pending else []
             if new:
                 result = self.store.append_slots(seq.seq_id, new)
                 if not result.ok:   # can_grow said yes: a mismatch is a bug, not a shortage
@@ -189,7 +190,7 @@ class Scheduler:
             budget[0] -= take
             finishes = take == n
             start = seq.num_computed
-            step = SeqStep(seq.seq_id, seq.all_token_ids()[start:start + take], start,
+            step = SeqStep(seq.seq_id, seq.token_slice(start, start + take), start,
                            self.store.block_table(seq.seq_id))
             out.steps.append(step)
             out.samples.append(self._sample_requests(req, seq, out) if finishes else [])

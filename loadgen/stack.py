@@ -1,4 +1,4 @@
-"""Start `pagedserve up` as a real process tree for the full-stack tests, and tear it down."""
+"""Start `pagedserve up` as a real process tree (for full-stack tests and benchmarks), and tear it down."""
 from __future__ import annotations
 
 import os

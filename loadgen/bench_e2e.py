@@ -1,0 +1,129 @@
+"""End-to-end benchmark through the REST API: the whole stack as real processes vs the offline engine.
+
+1. A Poisson arrival process at a fixed rate: output tokens/s, TTFT and TPOT (streamed, measured
+   by the client from the first and the following SSE chunks).
+2. Saturation: every request at once, through the API, against the offline engine (same cores in
+   one process) on the same requests: the ratio is the price of the process boundaries.
+
+    python -m loadgen.bench_e2e [--requests 64] [--rate 4] [--prompt-len 128] [--max-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_requests(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    # Random token ids, fixed lengths with some spread (as vLLM's "random" dataset does).
+    return [([rng.randrange(10, vocab) for _ in range(rng.randint(prompt_len // 2, prompt_len))],
+             rng.randint(max_tokens // 2, max_tokens)) for _ in range(n)]
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    ttft = stamps[0] - start if stamps else float("nan")
+    tpot = (end - stamps[0]) / max(1, max_tokens - 1) if stamps else float("nan")
+    return {"ttft": ttft, "tpot": tpot, "latency": end - start, "tokens": tokens or max_tokens}
+
+
+async def drive(url: str, model: str, reqs, rate: float | None, seed: int) -> tuple[list[dict], float]:
+    import httpx
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in reqs:
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens)))
+            if rate:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def offline_tokens_per_s(model: str, reqs, config_kw: dict) -> tuple[int, float]:
+    from services.engine import Engine
+    from services.engine_config import EngineConfig
+    from services.sampling_params import SamplingParams
+    with Engine(EngineConfig(model=model, **config_kw)) as engine:
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+        start = time.perf_counter()
+        outs = engine.generate([p for p, _ in reqs], params)
+        elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+
+
+def summary(name: str, results: list[dict], elapsed: float) -> str:
+    toks = sum(r["tokens"] for r in results)
+    ms = lambda xs, q: 1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+    ttft = [r["ttft"] for r in results]
+    tpot = [r["tpot"] for r in results]
+    return (f"{name:<22} {len(results):>4} {toks:>7} {elapsed:>8.1f} {toks / elapsed:>9.1f} "
+            f"{1000 * statistics.mean(ttft):>8.1f} {ms(ttft, 0.99):>8.1f} {1000 * statistics.mean(tpot):>8.1f} "
+            f"{ms(tpot, 0.99):>8.1f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(REPO / ".cache" / "bench-tiny-llama"))
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-device-blocks", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    from loadgen.stack import Stack
+    from services.tiny_model import build_tiny_model
+    if not (Path(args.model) / "config.json").exists():
+        build_tiny_model(args.model, arch="llama")
+    from services.worker.model_loader import inspect_model_dir
+    _, spec = inspect_model_dir(args.model)
+    reqs = make_requests(args.requests, args.prompt_len, args.max_tokens, spec.vocab_size, args.seed)
+
+    tokens, elapsed = offline_tokens_per_s(args.model, reqs, {"num_device_blocks": args.num_device_blocks})
+    stack = Stack(args.model, "--num-device-blocks", str(args.num_device_blocks), "--log-level", "WARNING")
+    try:
+        asyncio.run(drive(stack.url, args.model, reqs[:4], None, args.seed))        # warm-up
+        poisson = asyncio.run(drive(stack.url, args.model, reqs, args.rate, args.seed))
+        saturated = asyncio.run(drive(stack.url, args.model, reqs, None, args.seed))
+    finally:
+        stack.stop()
+    print(f"model {args.model}, {args.requests} requests, prompt <= {args.prompt_len}, "
+          f"output <= {args.max_tokens} tokens, greedy, ignore_eos")
+    print(f"{'run':<22} {'reqs':>4} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'TTFT ms':>8} {'p99':>8} "
+          f"{'TPOT ms':>8} {'p99':>8}")
+    print(summary(f"API, Poisson {args.rate}/s", *poisson))
+    print(summary("API, all at once", *saturated))
+    print(f"{'offline engine':<22} {args.requests:>4} {tokens:>7} {elapsed:>8.1f} {tokens / elapsed:>9.1f}")
+    api = sum(r["tokens"] for r in saturated[0]) / saturated[1]
+    print(f"stack / offline at saturation: {api / (tokens / elapsed):.2f} (goal >= 0.85)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
