@@ -121,23 +121,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="requests per ShareGPT cell (10x the tokens of Alpaca's)")
     ap.add_argument("--sharegpt-beam-requests", type=int, default=12,
                     help="requests per ShareGPT beam-search cell, the costliest")
+    ap.add_argument("--divisor", type=float, default=1.0, help="divide every length by this")
     ap.add_argument("--max-len", type=int, default=2048, help="cap on prompt + output tokens")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (block counts do not depend on it; 1 is fastest on a busy box)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="2 requests per cell, 48 tokens at most: a smoke run")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 2 requests per cell, lengths divided by 4, 64 tokens at most")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests = args.sharegpt_requests = args.sharegpt_beam_requests = 2
-        args.max_len = min(args.max_len, 48)
+        args.divisor, args.max_len = 4.0, min(args.max_len, 64)
     return args
 
 
 def main(argv: list[str] | None = None) -> list[SharingResult]:
     args = parse_args(argv)
     import torch
-    from loadgen.lengths import sample_lengths
+    from loadgen.lengths import sample_lengths, scale_lengths
     from services.engine import Engine
     from services.engine_config import EngineConfig
 
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> list[SharingResult]:
                 for width in WIDTHS:
                     count = args.requests if workload == "alpaca" else \
                         args.sharegpt_beam_requests if mode == "beam" else args.sharegpt_requests
-                    lengths = sample_lengths(workload, count, args.seed, args.traces_dir, max_total)
+                    lengths = scale_lengths(sample_lengths(workload, count, args.seed, args.traces_dir),
+                                            args.divisor, max_total)
                     source = f"{lengths.source}; mean prompt {lengths.mean_prompt:.0f}, " \
                              f"output {lengths.mean_output:.0f} tokens"
                     table.append(measure(engine, lengths.pairs, mode, width, args.seed, workload))

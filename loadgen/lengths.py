@@ -58,29 +58,33 @@ class Lengths:
         return sum(o for _, o in self.pairs) / len(self.pairs)
 
 
-def sample_lengths(workload: str, n: int, seed: int = 0, traces_dir: str | Path | None = None,
-                   max_total: int | None = None) -> Lengths:
-    """n (prompt, output) pairs; with max_total, pairs longer than that are redrawn."""
+def sample_lengths(workload: str, n: int, seed: int = 0, traces_dir: str | Path | None = None) -> Lengths:
+    """n (prompt, output) pairs drawn with replacement from the trace (or the fitted fallback)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
     rng = random.Random(seed)
     population, source = _population(WORKLOADS[workload], Path(traces_dir or DEFAULT_TRACES_DIR))
-    if max_total is not None:
-        population = [(p, o) for p, o in population if p + o <= max_total]
     if population:
         return Lengths(workload, source, [rng.choice(population) for _ in range(n)])
-    return Lengths(workload, "log-normal fit", _lognormal_pairs(WORKLOADS[workload], n, rng, max_total))
+    return Lengths(workload, "log-normal fit", _lognormal_pairs(WORKLOADS[workload], n, rng))
 
 
-def scale_lengths(lengths: Lengths, divisor: float, max_total: int) -> Lengths:
+def scale_lengths(lengths: Lengths, divisor: float = 1.0, max_total: int | None = None) -> Lengths:
     """Divide every length by `divisor` (at least 1 token each) and cap prompt + output at max_total,
-    shortening the output first: a shorter stand-in for a long workload on a small CPU."""
-    pairs = []
+    shortening the output first: a shorter stand-in for a long workload, or a fit to a model's
+    context. Capping, unlike redrawing, cannot loop forever on a cap far below the median."""
+    if max_total is not None and max_total < 2:
+        raise ValueError(f"max_total must leave room for one prompt and one output token, got {max_total}")
+    pairs, capped = [], 0
     for p, o in lengths.pairs:
-        p = min(max(1, round(p / divisor)), max_total - 1)
-        o = min(max(1, round(o / divisor)), max_total - p)
-        pairs.append((p, o))
-    return Lengths(lengths.workload, f"{lengths.source}, divided by {divisor:g}", pairs)
+        p, o = max(1, round(p / divisor)), max(1, round(o / divisor))
+        short_p = p if max_total is None else min(p, max_total - 1)
+        short_o = o if max_total is None else min(o, max_total - short_p)
+        capped += (short_p, short_o) != (p, o)
+        pairs.append((short_p, short_o))
+    source = lengths.source + (f", divided by {divisor:g}" if divisor != 1 else "") \
+        + (f", {capped} capped at {max_total} tokens" if capped else "")
+    return Lengths(lengths.workload, source, pairs)
 
 
 def _population(w: Workload, traces_dir: Path) -> tuple[list[tuple[int, int]], str]:
@@ -111,14 +115,9 @@ def _scaled_to_means(prompts: list[int], outputs: list[int], w: Workload) -> lis
     return [(max(1, round(p * kp)), max(1, round(o * ko))) for p, o in zip(prompts, outputs)]
 
 
-def _lognormal_pairs(w: Workload, n: int, rng: random.Random, max_total: int | None) -> list[tuple[int, int]]:
+def _lognormal_pairs(w: Workload, n: int, rng: random.Random) -> list[tuple[int, int]]:
     def draw(mean: float, median: float) -> int:
         sigma = math.sqrt(2 * math.log(mean / median))
         return max(1, round(rng.lognormvariate(math.log(median), sigma)))
 
-    pairs: list[tuple[int, int]] = []
-    while len(pairs) < n:
-        p, o = draw(w.mean_prompt, w.median_prompt), draw(w.mean_output, w.median_output)
-        if max_total is None or p + o <= max_total:
-            pairs.append((p, o))
-    return pairs
+    return [(draw(w.mean_prompt, w.median_prompt), draw(w.mean_output, w.median_output)) for _ in range(n)]

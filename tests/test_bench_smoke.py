@@ -66,8 +66,8 @@ def test_fallback_distribution_matches_paper_means(workload, tmp_path):
     assert min(min(p) for p in lengths.pairs) >= 1
 
 
-def test_max_total_and_scaling_cap_lengths(tmp_path):
-    lengths = sample_lengths("sharegpt", 200, seed=0, traces_dir=tmp_path, max_total=300)
-    assert all(p + o <= 300 for p, o in lengths.pairs)
-    scaled = scale_lengths(Lengths("x", "test", [(100, 50), (3, 1), (90, 400)]), 2, max_total=120)
-    assert scaled.pairs == [(50, 25), (2, 1), (45, 75)]
+def test_scaling_divides_then_caps_output_first():
+    scaled = scale_lengths(Lengths("x", "test", [(100, 50), (3, 1), (90, 400), (500, 9)]), 2, max_total=120)
+    assert scaled.pairs == [(50, 25), (2, 1), (45, 75), (119, 1)]
+    assert scaled.source == "test, divided by 2, 2 capped at 120 tokens"
+    assert scale_lengths(scaled).pairs == scaled.pairs
