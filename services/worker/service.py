@@ -1,0 +1,405 @@
+"""The worker process: one tensor-parallel rank of the model, serving steps over ZeroMQ.
+
+Owns this rank's shard of the weights, its mapping of its device pool (the kvstore created the pool
+and owns it: the worker never allocates, frees or unlinks blocks), the block tables and sampling
+params the scheduler sends as deltas (StepInputs), and torch's CPU threads.
+
+Rank 0 binds a ROUTER at --endpoint and answers for the group: ExecuteStep -> StepResult,
+Ping -> Pong, GetStats -> StatsReply, anything else or anything malformed -> Error (the loop goes
+on). A model error inside a step becomes StepResult(error=...), never a crash.
+
+With tp_size > 1, rank 0 forwards each step's raw frames to the other ranks over a gloo group
+before running it, so every rank applies the same deltas and runs the same forward (whose
+all_reduces pair up); only rank 0 samples. Ranks > 0 block in that broadcast. When idle, rank 0
+sends a heartbeat every HEARTBEAT_S, so the others see their stop signals, never reach the group's
+timeout, and notice a dead rank 0 (the broadcast raises): no orphans. On SIGTERM/SIGINT rank 0
+tells them to stop. With tp_size == 1 nothing distributed is set up at all.
+
+Start-up order: ask the kvstore for PoolInfo (an unreachable kvstore fails in seconds, before the
+slow model load), load this rank's shard, map this rank's pool, join the group, serve.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import faulthandler
+import logging
+import pickle
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout
+from kvstore.pool import BlockPool
+from services import protocol
+from services.worker.model_loader import ModelLoadError, load_model
+from services.worker.model_runner import ModelRunner, SeqStep
+from services.worker.step_inputs import StepError, StepInputs
+from services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
+                                close_tensor_parallel, init_tensor_parallel)
+from services.worker.worker_core import SampleRequest, SampleResult, WorkerCore
+
+log = logging.getLogger("pagedserve.worker")
+
+POLL_MS = 100        # how long rank 0 blocks waiting for a message: also the latency of a stop signal
+HEARTBEAT_S = 1.0    # rank 0 -> others when idle; must stay well under Config.dist_timeout_s
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class StartupError(RuntimeError):
+    """The worker cannot start; the message is the one line the operator reads."""
+
+
+class PeerLost(RuntimeError):
+    """Another rank of the tensor-parallel group went away."""
+
+
+@dataclass
+class Config:
+    model: str = ""
+    rank: int = 0
+    tp_size: int = 1
+    dist_init: str = "tcp://127.0.0.1:29500"     # torch.distributed init method (tp_size > 1)
+    dist_timeout_s: float = 60.0                 # joining the group, and any one collective
+    endpoint: str = "tcp://127.0.0.1:5603"       # rank 0 binds it
+    kvstore_endpoint: str = "tcp://127.0.0.1:5601"
+    kvstore_timeout_s: float = 10.0
+    device: str = "cpu"                          # cpu, cuda (= cuda:<rank>) or cuda:N
+    dtype: str = "auto"                          # auto: float32 on CPU, float16 on CUDA
+    block_size: int = 16                         # must equal the kvstore's
+    torch_threads: int = 0                       # 0: torch's default
+    seed: int = 0
+    log_level: str = "INFO"
+
+    def validate(self) -> "Config":
+        if not self.model:
+            raise ValueError("--model is required (a local Hugging Face folder)")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if not 0 <= self.rank < self.tp_size:
+            raise ValueError(f"--rank must be in [0, --tp-size={self.tp_size}), got {self.rank}")
+        if self.tp_size > 1 and not self.dist_init.startswith(("tcp://", "file://")):
+            raise ValueError(f"--dist-init must be a tcp:// or file:// address, got {self.dist_init!r}")
+        if self.dist_timeout_s <= HEARTBEAT_S * 5:
+            raise ValueError(f"--dist-timeout must be above {HEARTBEAT_S * 5:g} s, got {self.dist_timeout_s}")
+        for flag, ep in (("--endpoint", self.endpoint), ("--kvstore-endpoint", self.kvstore_endpoint)):
+            if not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{flag} must be a tcp://, ipc:// or inproc:// address, got {ep!r}")
+        if self.kvstore_timeout_s <= 0:
+            raise ValueError(f"--kvstore-timeout must be positive, got {self.kvstore_timeout_s}")
+        if self.device != "cpu" and self.device != "cuda" and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        bs = self.block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"--block-size must be a power of two, got {bs}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        return self
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.rank}" if self.device == "cuda" else self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.float16
+        return getattr(torch, self.dtype)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--rank", type=int, default=Config.rank, help="tensor-parallel rank of this process")
+    p.add_argument("--tp-size", type=int, default=Config.tp_size)
+    p.add_argument("--dist-init", default=Config.dist_init, help="torch.distributed init method")
+    p.add_argument("--dist-timeout", type=float, default=Config.dist_timeout_s, help="seconds")
+    p.add_argument("--endpoint", default=Config.endpoint, help="where rank 0 serves steps")
+    p.add_argument("--kvstore-endpoint", default=Config.kvstore_endpoint)
+    p.add_argument("--kvstore-timeout", type=float, default=Config.kvstore_timeout_s, help="seconds")
+    p.add_argument("--device", default=Config.device, help="cpu, cuda (one GPU per rank) or cuda:N")
+    p.add_argument("--dtype", default=Config.dtype, choices=DTYPES)
+    p.add_argument("--block-size", type=int, default=Config.block_size)
+    p.add_argument("--torch-threads", type=int, default=Config.torch_threads)
+    p.add_argument("--seed", type=int, default=Config.seed, help="for unseeded sampling")
+    p.add_argument("--log-level", default=Config.log_level)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return Config(model=args.model, rank=args.rank, tp_size=args.tp_size, dist_init=args.dist_init,
+                  dist_timeout_s=args.dist_timeout, endpoint=args.endpoint,
+                  kvstore_endpoint=args.kvstore_endpoint, kvstore_timeout_s=args.kvstore_timeout,
+                  device=args.device, dtype=args.dtype, block_size=args.block_size,
+                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level)
+
+
+# ---- the service core: messages in, messages out (no sockets) ----------------------------------
+
+class WorkerService:
+    """One rank's model, pool mapping and step state; rank 0 also has the sampler (WorkerCore)."""
+
+    def __init__(self, runner: ModelRunner, core: WorkerCore | None, pool: BlockPool,
+                 tp: TensorParallel = SINGLE):
+        self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
+        self.inputs = StepInputs()
+        self.steps_run = 0
+        self.last_broadcast = time.monotonic()
+
+    def handle(self, frames: list) -> Any:
+        """Rank 0: request frames -> reply message. Raises only PeerLost."""
+        try:
+            msg = protocol.decode(frames)
+        except protocol.ProtocolError as e:
+            log.warning("rejected a malformed message: %s", e)
+            return protocol.Error(str(e), code=400)
+        if isinstance(msg, protocol.ExecuteStep):
+            self.broadcast("step", frames)   # before running it: the others must join its collectives
+            return self.run_step(msg)
+        if isinstance(msg, protocol.Ping):
+            return protocol.Pong(sender=f"worker{self.tp.rank}", time=time.time(), role="worker")
+        if isinstance(msg, protocol.GetStats):
+            return protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size, "steps": self.steps_run,
+                                        "tables": len(self.inputs.tables), "params": len(self.inputs.params)})
+        log.warning("rejected %s: not a worker request", type(msg).__name__)
+        return protocol.Error(f"the worker does not handle {type(msg).__name__}", code=404)
+
+    def run_step(self, msg: protocol.ExecuteStep) -> protocol.StepResult:
+        """Apply the deltas, run the forward (and sample, on rank 0); errors become the reply's error."""
+        start = time.perf_counter()
+        results: list[SampleResult] = []
+        error = None
+        try:
+            self.inputs.apply_deltas(msg)
+            steps, samples = self.inputs.build(msg)
+            if steps:
+                results = self._execute(steps, samples)
+        except StepError as e:
+            log.warning("step %d rejected: %s", msg.step, e)
+            error = str(e)
+        except Exception as e:  # a model error fails this step, not the worker
+            log.exception("step %d failed", msg.step)
+            error = f"model error: {type(e).__name__}: {e}"
+        finally:
+            self.inputs.drop_params(msg)
+        self.steps_run += 1
+        return protocol.StepResult(msg.step, [r.__dict__ for r in results], error,
+                                   time.perf_counter() - start)
+
+    def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]]) -> list[SampleResult]:
+        if self.core is not None:
+            return self.core.execute(steps, samples)
+        self.runner.execute(steps, compute_logits=False)   # ranks > 0: KV writes and collectives only
+        return []
+
+    def broadcast(self, kind: str, payload: Any = None) -> None:
+        """Rank 0 -> the other ranks (nothing when alone); PeerLost when one is gone."""
+        if self.tp.size == 1:
+            return
+        try:
+            broadcast_control(self.tp, (kind, payload))
+        except RuntimeError as e:
+            raise PeerLost(f"a tensor-parallel rank went away: {_first_line(e)}") from None
+        self.last_broadcast = time.monotonic()
+
+    def barrier(self) -> None:
+        """On a clean stop: every rank has read the last message before any tears its group down."""
+        if self.tp.size == 1:
+            return
+        try:
+            dist.barrier(group=self.tp.control_group)
+        except RuntimeError as e:
+            raise PeerLost(f"a tensor-parallel rank went away: {_first_line(e)}") from None
+
+    def close(self) -> None:
+        """Drop every view of the pool, then unmap it (a view touched after close would segfault)."""
+        self.core = None
+        self.runner.close()
+        self.runner = None
+        self.pool.close()
+
+
+# ---- start-up ----------------------------------------------------------------------------------
+
+def fetch_pool_info(config: Config) -> protocol.PoolInfo:
+    client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
+    try:
+        info = client.pool_info()
+    except PeerTimeout:
+        raise StartupError(f"no answer from the kvstore at {config.kvstore_endpoint} within "
+                           f"{config.kvstore_timeout_s:g} s (is it running?)") from None
+    except KVStoreError as e:
+        raise StartupError(f"the kvstore at {config.kvstore_endpoint} refused GetPoolInfo: {e}") from None
+    finally:
+        client.close()
+    if len(info.device_pool_names) != config.tp_size:
+        raise StartupError(f"the kvstore has pools for {len(info.device_pool_names)} rank(s), this worker "
+                           f"group has --tp-size {config.tp_size}")
+    if info.block_size != config.block_size:
+        raise StartupError(f"the kvstore's block size is {info.block_size}, this worker's --block-size "
+                           f"is {config.block_size}")
+    return info
+
+
+def attach_device_pool(info: protocol.PoolInfo, rank: int) -> BlockPool:
+    """Map this rank's device pool (the kvstore's; never unlinked here)."""
+    name = info.device_pool_names[rank]
+    if info.device == "cpu":
+        return BlockPool.attach(name, info.num_device_blocks, info.block_bytes)
+    # UNTESTED (no GPU in CI): rebuild the kvstore's CUDA tensor from the IPC handle it pickled into
+    # PoolInfo (kvstore.service._cuda_ipc_handles); pickle is acceptable only because the peer is our
+    # own kvstore on this host. Copy-on-write/swap copies run on the kvstore's stream: waiting on
+    # its interprocess event before a step that needs them is still to be done.
+    rebuild, args = pickle.loads(base64.b64decode(info.ipc_handles[rank]))
+    return BlockPool(name, info.num_device_blocks, info.block_bytes, rebuild(*args), shm=None, owner=False)
+
+
+def start_worker(config: Config) -> WorkerService:
+    """PoolInfo, then the group (tp_size > 1), then this rank's shard and pool -> a ready service."""
+    info = fetch_pool_info(config)
+    device = config.torch_device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    try:
+        tp = init_tensor_parallel(config.rank, config.tp_size, config.dist_init, device, config.dist_timeout_s)
+    except (RuntimeError, ValueError) as e:   # includes torch.distributed's timeouts
+        raise StartupError(f"cannot join the tensor-parallel group at {config.dist_init}: "
+                           f"{_first_line(e)}") from None
+    try:
+        return _build_service(config, info, tp)
+    except BaseException:
+        close_tensor_parallel(tp)
+        raise
+
+
+def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) -> WorkerService:
+    dtype, device = config.torch_dtype, config.torch_device
+    try:
+        model, spec = load_model(config.model, dtype, device, tp)
+        want = spec.block_bytes(config.block_size, dtype, config.tp_size)
+    except (ModelLoadError, TPConfigError) as e:
+        raise StartupError(str(e)) from None
+    if want != info.block_bytes:
+        raise StartupError(f"the kvstore's blocks are {info.block_bytes} bytes; this model needs {want} "
+                           f"per rank (block size {config.block_size}, {dtype}, tp_size {config.tp_size})")
+    try:
+        pool = attach_device_pool(info, config.rank)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"cannot map device pool {info.device_pool_names[config.rank]}: {e}") from None
+    runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
+    core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
+    return WorkerService(runner, core, pool, tp)
+
+
+# ---- the process -------------------------------------------------------------------------------
+
+def run(config: Config) -> int:
+    """Serve until SIGTERM/SIGINT (0), or until a start-up failure or a lost peer rank (1)."""
+    config.validate()
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s worker{config.rank} %(levelname)s %(message)s")
+    faulthandler.enable()   # a crash in native code (gloo, OpenMP) leaves a Python traceback on stderr
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    stop = threading.Event()
+    restore = _on_stop_signals(stop)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    service = None
+    try:
+        if config.rank == 0:
+            _bind(sock, config.endpoint)   # first: a busy port fails before the slow model load
+        service = start_worker(config)
+        log.info("rank %d/%d ready: %s on %s, pool %s", config.rank, config.tp_size, config.model,
+                 config.torch_device, service.pool.name)
+        return _serve(sock, service, stop) if config.rank == 0 else _follow(service, stop)
+    except (StartupError, PeerLost) as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        if service is not None:
+            service.close()
+            close_tensor_parallel(service.tp)
+        sock.close()
+        ctx.term()
+        restore()
+
+
+def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event) -> int:
+    """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle."""
+    while not stop.is_set():
+        if sock.poll(POLL_MS, zmq.POLLIN):
+            identity, *frames = sock.recv_multipart()
+            sock.send_multipart([identity, *protocol.encode(service.handle(frames))])
+        if time.monotonic() - service.last_broadcast >= HEARTBEAT_S:
+            service.broadcast("beat")
+    log.info("stopping")
+    try:
+        service.broadcast("stop")
+        service.barrier()
+    except PeerLost:
+        pass   # the other ranks are already gone: a launcher signals every rank at once
+    return 0
+
+
+def _follow(service: WorkerService, stop: threading.Event) -> int:
+    """Ranks > 0: run what rank 0 forwards, until it says stop, goes away, or a signal comes."""
+    while not stop.is_set():
+        try:
+            kind, payload = broadcast_control(service.tp)
+        except RuntimeError as e:
+            log.error("rank 0 went away (%s): stopping", _first_line(e))
+            return 1
+        if kind == "stop":
+            service.barrier()
+            break
+        if kind == "step":
+            service.run_step(protocol.decode(payload))   # rank 0 decoded these frames already
+    log.info("stopping")
+    return 0
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise StartupError(f"cannot bind {endpoint}: {e}") from None
+
+
+def _on_stop_signals(stop: threading.Event):
+    """SIGTERM and SIGINT set `stop` (main thread only); returns a function restoring the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve worker", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)   # a bad flag: argparse exits 2 with usage + one error line
+    try:
+        config = config_from_args(args).validate()
+    except ValueError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""What a worker remembers between steps, and how it turns an ExecuteStep into WorkerCore inputs.
+
+The scheduler sends only deltas (services.protocol.ExecuteStep): block-table changes, freed tables,
+sampling params once per request. StepInputs owns the resulting per-sequence block tables and the
+constructed SamplingParams objects, and builds the SeqStep / SampleRequest lists of one step.
+Every tensor-parallel rank keeps its own copy and applies the same deltas, so every rank builds the
+same step (and fails the same way, before any collective, on a bad one).
+"""
+from __future__ import annotations
+
+from services.protocol import ExecuteStep
+from services.sampling_params import SamplingParams
+from services.worker.model_runner import SeqStep
+from services.worker.worker_core import SampleRequest
+
+
+class StepError(ValueError):
+    """The step refers to something this worker does not have (an unknown table, params key, ...)."""
+
+
+class StepInputs:
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}          # seq_id -> physical block ids
+        self.params: dict[str, SamplingParams] = {}     # params_key -> constructed params
+
+    def apply_deltas(self, msg: ExecuteStep) -> None:
+        """Freed tables first, then table updates (a seq freed and re-admitted in one step gets its
+        new table), then new params. Checked before anything changes: a bad delta changes nothing."""
+        updates = []
+        for seq_id, update in msg.table_updates.items():
+            if type(seq_id) is not int or not isinstance(update, list) or not update \
+                    or not all(type(b) is int for b in update):
+                raise StepError(f"table_updates[{seq_id!r}] must be [start, *block ids]")
+            start, blocks = update[0], update[1:]
+            have = 0 if seq_id in msg.freed else len(self.tables.get(seq_id, ()))
+            if not 0 <= start <= have:
+                raise StepError(f"table_updates[{seq_id}] starts at {start}, the table has {have} blocks")
+            updates.append((seq_id, start, blocks))
+        built = {}
+        for key, data in msg.new_params.items():
+            try:
+                built[key] = SamplingParams.from_dict(data)   # validates
+            except (TypeError, ValueError) as e:
+                raise StepError(f"new_params[{key!r}]: {e}") from None
+        for seq_id in msg.freed:
+            self.tables.pop(seq_id, None)
+        for seq_id, start, blocks in updates:
+            table = self.tables.setdefault(seq_id, [])
+            del table[start:]
+            table.extend(blocks)
+        self.params.update(built)
+
+    def drop_params(self, msg: ExecuteStep) -> None:
+        """After the step: a request may finish and be dropped in the same message that samples it."""
+        for key in msg.dropped_params:
+            self.params.pop(key, None)
+
+    def build(self, msg: ExecuteStep) -> tuple[list[SeqStep], list[list[SampleRequest]]]:
+        steps: list[SeqStep] = []
+        samples: list[list[SampleRequest]] = []
+        for work in msg.seqs:
+            table = self.tables.get(work.seq_id)
+            if table is None:
+                raise StepError(f"seq {work.seq_id} has no block table on this worker")
+            if not work.token_ids:
+                raise StepError(f"seq {work.seq_id} has no tokens to compute")
+            steps.append(SeqStep(work.seq_id, work.token_ids, work.start_pos, table))
+            samples.append([self._sample_request(s, work.seq_id, msg.histories) for s in work.samples])
+        return steps, samples
+
+    def _sample_request(self, sample: list, work_seq_id: int, histories: dict) -> SampleRequest:
+        if not isinstance(sample, list) or len(sample) != 5:
+            raise StepError(f"seq {work_seq_id}: a sample must be [seq_id, params_key, seq_index, "
+                            f"beam_candidates, num_output_tokens], got {sample!r}")
+        seq_id, key, seq_index, beam_candidates, num_output = sample
+        params = self.params.get(key)
+        if params is None:
+            raise StepError(f"seq {seq_id}: unknown params key {key!r} (its new_params never arrived)")
+        history = histories.get(seq_id, histories.get(work_seq_id))
+        if history is not None:
+            prompt_ids, output_ids = history
+        elif _uses_penalties(params):
+            raise StepError(f"seq {seq_id}: its params use penalties but the step carries no history")
+        else:
+            # Without penalties the sampler reads only len(output_token_ids) (min_tokens, and the
+            # per-row seed of seeded sampling) and never the prompt: a list of the right length
+            # stands in for the real tokens, which the scheduler does not send every step.
+            prompt_ids, output_ids = [], [0] * num_output
+        return SampleRequest(seq_id, params, prompt_ids, output_ids, seq_index, beam_candidates)
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
