@@ -159,7 +159,8 @@ def test_row_parallel_bias_is_added_once(tiny_model_dirs):
     full, _ = load_model(tiny_model_dirs["opt"])
     shard, _ = load_model(tiny_model_dirs["opt"], tp=TensorParallel(1, 2))
     for f, s in zip(full.model.decoder.layers, shard.model.decoder.layers):
-        assert torch.equal(s.fc2.bias, f.fc2.bias) and torch.equal(s.self_attn.out_proj.bias, f.self_attn.out_proj.bias)
+        assert torch.equal(s.fc2.bias, f.fc2.bias)
+        assert torch.equal(s.self_attn.out_proj.bias, f.self_attn.out_proj.bias)
         assert torch.equal(s.fc1.bias, f.fc1.bias[128:])                      # column-parallel: sliced
 
 

@@ -111,7 +111,8 @@ class Scheduler:
         out = {}
         for w in seqs:
             table, known = self.mirror.block_table(w.seq_id), self.sent.get(w.seq_id, [])
-            start = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), min(len(table), len(known)))
+            same = min(len(table), len(known))
+            start = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), same)
             if table != known:
                 out[w.seq_id] = [start, *table[start:]]
                 self.sent[w.seq_id] = list(table)

@@ -127,11 +127,15 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
         budget = [self.config.max_num_batched_tokens]
-        running: list[Request] = list(self.running)
+        running = deque(self.running)
         kept: list[Request] = []
+        # The common case: every running sequence's next slot fits at once, so no request needs
+        # its own check (a per-request check only matters when someone must be preempted).
+        grow = [s.seq_id for r in running for s in r.seqs if s.num_pending and self._to_append(s)]
+        everyone_fits = not grow or self.store.can_append(grow)
         while running:
-            req = running.pop(0)
-            while not self._can_grow(req):
+            req = running.popleft()
+            while not everyone_fits and not self._can_grow(req):
                 victim = running.pop() if running else req
                 self._preempt(victim, out)
                 if victim is req:

@@ -168,8 +168,9 @@ class WorkerService:
         if isinstance(msg, protocol.Ping):
             return protocol.Pong(sender=f"worker{self.tp.rank}", time=time.time(), role="worker")
         if isinstance(msg, protocol.GetStats):
-            return protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size, "steps": self.steps_run,
-                                        "tables": len(self.inputs.tables), "params": len(self.inputs.params)})
+            return protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size,
+                                        "steps": self.steps_run, "tables": len(self.inputs.tables),
+                                        "params": len(self.inputs.params)})
         log.warning("rejected %s: not a worker request", type(msg).__name__)
         return protocol.Error(f"the worker does not handle {type(msg).__name__}", code=404)
 
@@ -270,7 +271,8 @@ def start_worker(config: Config) -> WorkerService:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     try:
-        tp = init_tensor_parallel(config.rank, config.tp_size, config.dist_init, device, config.dist_timeout_s)
+        tp = init_tensor_parallel(config.rank, config.tp_size, config.dist_init, device,
+                                  config.dist_timeout_s)
     except (RuntimeError, ValueError) as e:   # includes torch.distributed's timeouts
         raise StartupError(f"cannot join the tensor-parallel group at {config.dist_init}: "
                            f"{_first_line(e)}") from None

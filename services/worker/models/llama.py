@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from services.worker.attn_metadata import AttentionMetadata
 from services.worker.models.attention import paged_attention_layer
 from services.worker.models.rope import RotaryEmbedding
-from services.worker.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard, split
+from services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
+                                split)
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +92,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, qkv_bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # replicated on every rank
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, tp)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
