@@ -110,6 +110,7 @@ class SchedulerService:
         self.last_beat = time.monotonic()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted router may reuse its identity
         self.sock.bind(config.endpoint)
         self.state = self._register()
 
