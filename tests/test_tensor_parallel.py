@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -75,10 +74,10 @@ def biased_model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, model_dirs: dict, results) -> None:
+def _rank_main(rank: int, size: int, init_method: str, model_dirs: dict, results) -> None:
     from services.worker.tp import close_tensor_parallel, init_tensor_parallel
     torch.set_num_threads(1)   # two ranks on a 2-core box
-    tp = init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", timeout_s=60)
+    tp = init_tensor_parallel(rank, size, init_method, timeout_s=60)
     try:
         results.put((rank, {arch: greedy_decode(d, tp) for arch, d in model_dirs.items()}))
     except BaseException as e:
@@ -88,18 +87,12 @@ def _rank_main(rank: int, size: int, port: int, model_dirs: dict, results) -> No
         close_tensor_parallel(tp)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_ranks_decode_like_one(biased_model_dirs):
+def test_two_ranks_decode_like_one(biased_model_dirs, tmp_path):
     dirs = biased_model_dirs
     ctx = mp.get_context("spawn")   # not fork: the parent's OpenMP and gloo state must not leak in
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, dirs, results), daemon=True) for r in range(2)]
+    init = f"file://{tmp_path}/rendezvous"   # not a TCP port: no race with other tests for a free one
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, init, dirs, results), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -109,9 +102,10 @@ def test_two_ranks_decode_like_one(biased_model_dirs):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert all(p.exitcode == 0 for p in procs), got
+    assert [p.exitcode for p in procs] == [0, 0], got
     expected = {arch: greedy_decode(d, SINGLE) for arch, d in dirs.items()}
-    assert got[0] == expected and got[1] == expected
+    for arch in expected:
+        assert got[0][arch] == got[1][arch] == expected[arch], arch
 
 
 # ---- shards without a process group: slicing and its arithmetic ---------------------------------
