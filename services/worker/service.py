@@ -15,8 +15,9 @@ sends a heartbeat every HEARTBEAT_S, so the others see their stop signals, never
 timeout, and notice a dead rank 0 (the broadcast raises): no orphans. On SIGTERM/SIGINT rank 0
 tells them to stop. With tp_size == 1 nothing distributed is set up at all.
 
-Start-up order: ask the kvstore for PoolInfo (an unreachable kvstore fails in seconds, before the
-slow model load), load this rank's shard, map this rank's pool, join the group, serve.
+Start-up order: bind (rank 0), ask the kvstore for PoolInfo (an unreachable kvstore fails in
+seconds, before the slow model load), join the group (tp_size > 1), load this rank's shard, map
+this rank's pool, serve.
 """
 from __future__ import annotations
 
