@@ -17,7 +17,6 @@ import base64
 import gc
 import logging
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.replay import ReplicaDiverged, apply_ops
 from kvstore.store import BlockStore
 from services import protocol
+from services.process import on_stop_signals, service_main
 
 log = logging.getLogger("pagedserve.kvstore")
 
@@ -196,7 +196,7 @@ def run(config: Config) -> int:
     config.validate()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s kvstore %(levelname)s %(message)s")
     stop = threading.Event()
-    restore = _on_stop_signals(stop)
+    restore = on_stop_signals(stop)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -241,30 +241,8 @@ def _serve(sock: zmq.Socket, service: KVStoreService, stop: threading.Event) -> 
         sock.send_multipart([identity, *service.handle(frames)])
 
 
-def _on_stop_signals(stop: threading.Event):
-    """SIGTERM and SIGINT set `stop` (main thread only); returns a function restoring the old handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    return lambda: [signal.signal(s, h) for s, h in old.items()]
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line naming the cause (no usage block): launchers show the first line of a failure.
-        self.exit(2, f"kvstore: {message} (see --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineParser(prog="pagedserve kvstore", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)   # a bad flag: exits 2 with one line
-    try:
-        config = config_from_args(args).validate()
-    except ValueError as e:
-        print(f"kvstore: {e}", file=sys.stderr)
-        return 2
-    return run(config)
+    return service_main("kvstore", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

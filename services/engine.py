@@ -15,7 +15,7 @@ from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.store import BlockStore
 from services.engine_config import ConfigError, EngineConfig
 from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.sampling_params import SamplingParams
 from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model
 from services.worker.model_runner import ModelRunner

@@ -174,3 +174,35 @@ def test_preemption_across_processes(tiny_llama):
     time.sleep(0.5)
     assert not [p for p in pids if alive(p)], "processes left behind"
     assert not [f for p in pids for f in Path("/dev/shm").glob(f"pagedserve-{p}-*")], "shared memory left behind"
+
+
+def test_scheduler_with_unreachable_kvstore_exits_with_cause(tiny_llama):
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", "--model", tiny_llama,
+                          "--endpoint", "ipc:///tmp/pagedserve-test-sched.sock",
+                          "--kvstore-endpoint", "tcp://127.0.0.1:9", "--startup-timeout", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "kvstore" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_launcher_reports_the_failed_process_and_stops_the_others(tiny_llama):
+    """The router cannot bind a port that is taken: the launcher names it and leaves nothing behind."""
+    import socket
+    import subprocess
+    import sys
+    from loadgen.stack import children_of, free_port
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_llama,
+                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen: set[int] = set()
+        while proc.poll() is None:
+            seen.update(children_of(proc.pid))
+            time.sleep(0.2)
+        err = proc.stderr.read()
+    assert proc.returncode != 0 and "router0" in err, err
+    time.sleep(0.5)
+    assert not [p for p in seen if alive(p)]

@@ -175,15 +175,8 @@ def run(config: Config) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve router")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except ValueError as e:
-        print(f"router: {e}", file=sys.stderr)
-        return 2
-    return run(config)
+    from services.process import service_main
+    return service_main("router", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 import zmq
 
 from services import protocol
+from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
@@ -70,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None)
     p.add_argument("--replica-id", default=Config.replica_id)
     p.add_argument("--advertise", default=None)
+    p.add_argument("--startup-timeout", type=float, default=Config.startup_timeout_s,
+                   help="seconds to wait for the kvstore and the worker at start-up")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -78,7 +81,8 @@ def config_from_args(args) -> Config:
                   worker_endpoint=args.worker_endpoint, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
                   max_model_len=args.max_model_len, redis_url=args.redis_url, replica_id=args.replica_id,
-                  advertise=args.advertise, log_level=args.log_level).validate()
+                  advertise=args.advertise, startup_timeout_s=args.startup_timeout,
+                  log_level=args.log_level).validate()
 
 
 class SchedulerService:
@@ -258,9 +262,8 @@ class SchedulerService:
 
 def run(config: Config) -> int:
     logging.basicConfig(level=config.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    stop = threading.Event()
+    on_stop_signals(stop)
     try:
         svc = SchedulerService(config)
     except zmq.ZMQError as e:
@@ -271,7 +274,7 @@ def run(config: Config) -> int:
     gc.freeze()
     log.info("scheduler ready on %s (kvstore %s, worker %s)", config.endpoint,
              config.kvstore_endpoint, config.worker_endpoint)
-    while not stop:
+    while not stop.is_set():
         busy = svc.core.has_unfinished() and svc.ready
         if svc.sock.poll(0 if busy else 50, zmq.POLLIN):
             while svc.sock.poll(0, zmq.POLLIN):
@@ -290,16 +293,7 @@ def run(config: Config) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve scheduler")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(config_from_args(args))
-    except (ValueError, SystemExit) as e:
-        if isinstance(e, SystemExit) and not isinstance(e.code, str):
-            raise
-        print(f"scheduler: {e}", file=sys.stderr)
-        return 1
+    return service_main("scheduler", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

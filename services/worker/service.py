@@ -26,7 +26,6 @@ import base64
 import faulthandler
 import logging
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -40,6 +39,7 @@ import zmq
 from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout
 from kvstore.pool import BlockPool
 from services import protocol
+from services.process import on_stop_signals, service_main
 from services.worker.model_loader import ModelLoadError, load_model
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.step_inputs import StepError, StepInputs
@@ -314,7 +314,7 @@ def run(config: Config) -> int:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     stop = threading.Event()
-    restore = _on_stop_signals(stop)
+    restore = on_stop_signals(stop)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -379,24 +379,8 @@ def _bind(sock: zmq.Socket, endpoint: str) -> None:
         raise StartupError(f"cannot bind {endpoint}: {e}") from None
 
 
-def _on_stop_signals(stop: threading.Event):
-    """SIGTERM and SIGINT set `stop` (main thread only); returns a function restoring the old handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    return lambda: [signal.signal(s, h) for s, h in old.items()]
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve worker", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)   # a bad flag: argparse exits 2 with usage + one error line
-    try:
-        config = config_from_args(args).validate()
-    except ValueError as e:
-        print(f"worker: {e}", file=sys.stderr)
-        return 2
-    return run(config)
+    return service_main("worker", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
 
 
 def _first_line(e: BaseException) -> str:

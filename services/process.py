@@ -1,0 +1,43 @@
+"""What every pagedserve process does the same way: stop on SIGTERM/SIGINT, and a `main` that turns
+bad flags and start-up failures into one line on stderr and a non-zero exit (never a bare traceback)."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Callable
+
+
+def on_stop_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGTERM and SIGINT set `stop` (main thread only); returns a function restoring the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line naming the cause (no usage block): the launcher shows the first line of a failure.
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def service_main(name: str, add_arguments, config_from_args, run, argv=None, description: str = "") -> int:
+    """Parse flags, validate the config, run; an invalid setting or model folder exits 2 with one line."""
+    from services.worker.model_loader import ModelLoadError
+
+    parser = OneLineParser(prog=f"pagedserve {name}", description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except (ValueError, ModelLoadError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(config)
+    except ModelLoadError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
