@@ -38,6 +38,7 @@ class Config:
     tensor_parallel: int = 1
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    worker_threads: int = 0                # 0: auto (CPU: all cores but one, for the other processes)
     enable_prefix_caching: bool = True
     ready_timeout_s: float = 300.0
     log_level: str = "INFO"
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="torch threads per worker; 0 = auto (on CPU all cores but one)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--log-level", default="INFO")
 
@@ -85,7 +88,7 @@ def config_from_args(args) -> Config:
                   kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
                   swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
                   tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
                   enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level).validate()
 
 
@@ -126,11 +129,13 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                "--device", cfg.device]
                               + ([] if cfg.enable_prefix_caching else ["--no-prefix-caching"]))]
     dist = f"tcp://127.0.0.1:{_free_port()}"
+    threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
     for rank in range(cfg.tensor_parallel):
         procs.append((f"worker{rank}", py + ["services.worker.service", "--model", model, "--rank", str(rank),
                                              "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
                                              "--endpoint", worker, "--kvstore-endpoint", kv,
-                                             "--device", cfg.device, "--block-size", str(cfg.block_size)]))
+                                             "--device", cfg.device, "--block-size", str(cfg.block_size),
+                                             "--torch-threads", str(threads)]))
     procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
                                      "--max-num-seqs", str(cfg.max_num_seqs),
@@ -146,6 +151,14 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     return procs
 
 
+def worker_threads_auto(device: str, tp: int) -> int:
+    """On CPU the workers share the cores with the router, scheduler and kvstore: leave them one.
+    """
+    if device != "cpu":
+        return 1
+    return max(1, ((os.cpu_count() or 2) - 1) // tp)
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -159,8 +172,10 @@ class Stack:
     def __init__(self):
         self.children: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def start(self, name: str, argv: list[str], threads: int = 1) -> None:
+        # Only workers compute; every other process gets one OpenMP thread, so that none of them
+        # keeps spare threads spinning on cores the workers need (measured: ~1.4x tokens/s on 2 cores).
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
         self.children.append((name, subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env)))
 
     def failed(self) -> tuple[str, int] | None:
@@ -198,8 +213,9 @@ def run(cfg: Config) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     try:
+        threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
         for name, argv in process_commands(cfg, model, run_dir):
-            stack.start(name, argv)
+            stack.start(name, argv, threads if name.startswith("worker") else 1)
         urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(cfg.routers)]
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not all(_ready(u + "/ready") for u in urls):
