@@ -8,7 +8,7 @@ message where there is someone to answer, and carry on.
 
 Sockets and who talks (tcp or ipc endpoints, all on loopback in tests):
   router    --DEALER--> scheduler ROUTER   AddRequest, AbortRequest, GetStats, Ping
-  scheduler --ROUTER--> router             RequestUpdate, Error, StatsReply, Pong
+  scheduler --ROUTER--> router             RequestUpdates (one per router per step), Error, StatsReply, Pong
   scheduler --DEALER--> kvstore ROUTER     ApplyOps, GetPoolInfo, GetStats, Ping -> ApplyOpsReply, PoolInfo, StatsReply, Pong
   scheduler --DEALER--> worker ROUTER      ExecuteStep, Ping -> StepResult, Pong (rank 0 answers for the group)
 """
@@ -86,6 +86,12 @@ class RequestUpdate:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestUpdates:
+    """All of one step's updates for one router, in one message."""
+    updates: list[RequestUpdate]
 
 
 @dataclass
@@ -167,9 +173,9 @@ class StepResult:
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
-    Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, GetStats, StatsReply,
+    Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, RequestUpdates, GetStats, StatsReply,
     GetPoolInfo, PoolInfo, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
-_NESTED = {"outputs": CompletionDelta, "seqs": SeqWork}
+_NESTED = {"outputs": CompletionDelta, "seqs": SeqWork, "updates": RequestUpdate}
 
 
 # ---- encoding ----------------------------------------------------------------------------------
@@ -193,7 +199,7 @@ def _to_wire(value: Any, frames: list) -> Any:
         return {"__array__": len(frames) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
     if type(value) is list and value and dataclasses.is_dataclass(value[0]):
         names = _field_names(type(value[0]))
-        return [{n: getattr(v, n) for n in names} for v in value]
+        return [{n: _to_wire(getattr(v, n), frames) for n in names} for v in value]
     if type(value) is tuple:
         return list(value)
     return value

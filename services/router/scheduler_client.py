@@ -152,6 +152,10 @@ class SchedulerClient:
             self._dispatch(msg)
 
     def _dispatch(self, msg) -> None:
+        if isinstance(msg, protocol.RequestUpdates):
+            for update in msg.updates:
+                self._dispatch(update)
+            return
         if isinstance(msg, (protocol.RequestUpdate, protocol.Error)) and msg.request_id is not None:
             queue = self.subscribers.get(msg.request_id)
             if queue is not None:

@@ -190,10 +190,13 @@ class SchedulerService:
             from services.worker.worker_core import SampleResult
             results = [SampleResult(**r) for r in reply.results]
         finished = self.core.update(scheduled, results)
+        batches: dict[bytes, list[protocol.RequestUpdate]] = {}
         for req in scheduled.requests:
             update = self.routers_view.update_for(req)
             if update is not None and req.request_id in self.owner:
-                self._send(self.owner[req.request_id], update)
+                batches.setdefault(self.owner[req.request_id], []).append(update)
+        for identity, updates in batches.items():   # one message per router per step
+            self._send(identity, protocol.RequestUpdates(updates))
         self._flush_finished(finished)
         if not self.core.has_unfinished():
             self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
