@@ -41,3 +41,30 @@ def service_main(name: str, add_arguments, config_from_args, run, argv=None, des
     except ModelLoadError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
+
+
+class PeerWatch:
+    """Notices a peer that stopped talking: the scheduler pings the kvstore and the workers every
+    second, so a long silence from it (after it was heard once) means it is gone or stuck."""
+
+    def __init__(self, name: str, log, silent_after_s: float = 5.0, clock=None):
+        import time
+        self.name, self.log, self.silent_after_s = name, log, silent_after_s
+        self.clock = clock or time.monotonic
+        self.last_seen: float | None = None
+        self.reported = False
+
+    def seen(self) -> None:
+        if self.reported:
+            self.log.info("the %s is back", self.name)
+            self.reported = False
+        self.last_seen = self.clock()
+
+    def check(self) -> bool:
+        """False (and one log line) once the peer has been silent too long."""
+        if self.last_seen is None or self.clock() - self.last_seen < self.silent_after_s:
+            return True
+        if not self.reported:
+            self.log.warning("the %s has been silent for %.0f s", self.name, self.clock() - self.last_seen)
+            self.reported = True
+        return False

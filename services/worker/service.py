@@ -39,7 +39,7 @@ import zmq
 from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout
 from kvstore.pool import BlockPool
 from services import protocol
-from services.process import on_stop_signals, service_main
+from services.process import PeerWatch, on_stop_signals, service_main
 from services.worker.model_loader import ModelLoadError, load_model
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.step_inputs import StepError, StepInputs
@@ -340,8 +340,12 @@ def run(config: Config) -> int:
 
 def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event) -> int:
     """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle."""
+    scheduler = PeerWatch("scheduler", log)
     while not stop.is_set():
-        if sock.poll(POLL_MS, zmq.POLLIN):
+        if not sock.poll(POLL_MS, zmq.POLLIN):
+            scheduler.check()
+        else:
+            scheduler.seen()
             identity, *frames = sock.recv_multipart()
             sock.send_multipart([identity, *protocol.encode(service.handle(frames))])
         if time.monotonic() - service.last_broadcast >= HEARTBEAT_S:
