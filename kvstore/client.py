@@ -66,19 +66,22 @@ class KVStoreClient:
         return reply
 
 
-def attach_pools(info: protocol.PoolInfo, kind: str = "device") -> list[BlockPool]:
-    """Map the kvstore's pools of one kind ("device" or "host"), one per tensor-parallel rank.
+def attach_pools(info: protocol.PoolInfo, kind: str = "device", ranks: list[int] | None = None) -> list[BlockPool]:
+    """Map the kvstore's pools of one kind ("device" or "host"), one per tensor-parallel rank (or
+    only those of `ranks`: a worker maps its own).
 
     The caller closes them (never unlinks: the kvstore does) and must drop its own views first."""
     if kind == "device":
         names, num_blocks = info.device_pool_names, info.num_device_blocks
         if info.device != "cpu":
-            return _attach_cuda(info)
+            return _attach_cuda(info, ranks)
     elif kind == "host":
         names, num_blocks = info.host_pool_names, info.num_host_blocks
     else:
         raise ValueError(f"kind must be 'device' or 'host', not {kind!r}")
     pools: list[BlockPool] = []
+    if ranks is not None:
+        names = [names[r] for r in ranks]
     try:
         for name in names:
             pools.append(BlockPool.attach(name, num_blocks, info.block_bytes))
@@ -89,11 +92,12 @@ def attach_pools(info: protocol.PoolInfo, kind: str = "device") -> list[BlockPoo
     return pools
 
 
-def _attach_cuda(info: protocol.PoolInfo) -> list[BlockPool]:
+def _attach_cuda(info: protocol.PoolInfo, ranks: list[int] | None) -> list[BlockPool]:
     # UNTESTED here (no GPU on CI). The handles come from kvstore.service._cuda_ipc_handles; pickle
     # is acceptable only because the peer is our own kvstore on this host (loopback/ipc sockets).
     pools = []
-    for name, handle in zip(info.device_pool_names, info.ipc_handles):
+    for rank in ranks if ranks is not None else range(len(info.device_pool_names)):
+        name, handle = info.device_pool_names[rank], info.ipc_handles[rank]
         rebuild, args = pickle.loads(base64.b64decode(handle))
         blocks = rebuild(*args)   # uint8 [num_device_blocks, block_bytes] on the kvstore's GPU
         pools.append(BlockPool(name, info.num_device_blocks, info.block_bytes, blocks, shm=None, owner=False))

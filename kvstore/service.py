@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvstore.cuda_sync import CopySync, NoSync
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.replay import ReplicaDiverged, apply_ops
 from kvstore.store import BlockStore
@@ -128,14 +129,15 @@ def _cuda_ipc_handles(pools: list[BlockPool]) -> list[str]:
     return [base64.b64encode(pickle.dumps(reduce_tensor(p.blocks))).decode("ascii") for p in pools]
 
 
-def pool_info(config: Config, pools: Pools) -> protocol.PoolInfo:
+def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
     return protocol.PoolInfo(
         block_size=config.block_size, block_bytes=config.block_bytes,
         num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
         device_pool_names=[p.name for p in pools.device], host_pool_names=[p.name for p in pools.host],
         device="cpu" if config.device == "cpu" else "cuda",
         enable_prefix_caching=config.enable_prefix_caching,
-        ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device))
+        ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device),
+        event_handles=(sync or NoSync()).event_handles())
 
 
 # ---- the service core: frames in, frames out ---------------------------------------------------
@@ -143,9 +145,10 @@ def pool_info(config: Config, pools: Pools) -> protocol.PoolInfo:
 class KVStoreService:
     """Answers one decoded request at a time; no sockets, so tests can drive it directly."""
 
-    def __init__(self, store: BlockStore, info: protocol.PoolInfo):
+    def __init__(self, store: BlockStore, info: protocol.PoolInfo, sync=None):
         self.store = store
         self.info = info
+        self.sync = sync or NoSync()   # CUDA: copies on the kvstore's streams, then an event per device
         self.last_step: int | None = None
         self._handlers = {protocol.ApplyOps: self._apply, protocol.GetPoolInfo: lambda _: self.info,
                           protocol.GetStats: lambda _: protocol.StatsReply(self.store.stats()),
@@ -176,7 +179,8 @@ class KVStoreService:
                                   f"not applied again", code=409, param="step")
         error = None
         try:
-            results = apply_ops(self.store, msg.ops)   # ReplayError (malformed): nothing applied
+            with self.sync.copies():
+                results = apply_ops(self.store, msg.ops)   # ReplayError (malformed): nothing applied
         except ReplicaDiverged as e:
             log.error("step %d: %s", msg.step, e)
             results, error = e.results, str(e)
@@ -211,7 +215,8 @@ def run(config: Config) -> int:
             pools = Pools(config)
             store = BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                config.enable_prefix_caching, pools.device, pools.host)
-            service = KVStoreService(store, pool_info(config, pools))
+            sync = NoSync() if config.device == "cpu" else CopySync([str(p.device) for p in pools.device])
+            service = KVStoreService(store, pool_info(config, pools, sync), sync)
         except (OSError, ValueError, RuntimeError) as e:
             log.error("cannot create the pools: %s", e)
             return 1

@@ -120,6 +120,7 @@ class PoolInfo:
     device: str = "cpu"
     enable_prefix_caching: bool = True   # the scheduler's mirror must run the same policy
     ipc_handles: list = field(default_factory=list)   # CUDA only: pickled IPC handles per rank
+    event_handles: list = field(default_factory=list) # CUDA only: the copy-done event per rank
 
 
 @dataclass

@@ -22,10 +22,8 @@ this rank's pool, serve.
 from __future__ import annotations
 
 import argparse
-import base64
 import faulthandler
 import logging
-import pickle
 import sys
 import threading
 import time
@@ -36,7 +34,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout
+from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
+from kvstore.cuda_sync import open_event
 from kvstore.pool import BlockPool
 from services import protocol
 from services.process import PeerWatch, on_stop_signals, service_main
@@ -150,8 +149,9 @@ class WorkerService:
     """One rank's model, pool mapping and step state; rank 0 also has the sampler (WorkerCore)."""
 
     def __init__(self, runner: ModelRunner, core: WorkerCore | None, pool: BlockPool,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, copies_done=None):
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
+        self.copies_done = copies_done   # CUDA: the kvstore's interprocess event (kvstore/cuda_sync.py)
         self.inputs = StepInputs()
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
@@ -184,6 +184,8 @@ class WorkerService:
             self.inputs.apply_deltas(msg)
             steps, samples = self.inputs.build(msg)
             if steps:
+                if self.copies_done is not None:   # the step's COW/swap copies ran on the kvstore's stream
+                    torch.cuda.current_stream().wait_event(self.copies_done)
                 results = self._execute(steps, samples)
         except StepError as e:
             log.warning("step %d rejected: %s", msg.step, e)
@@ -254,15 +256,8 @@ def fetch_pool_info(config: Config) -> protocol.PoolInfo:
 
 def attach_device_pool(info: protocol.PoolInfo, rank: int) -> BlockPool:
     """Map this rank's device pool (the kvstore's; never unlinked here)."""
-    name = info.device_pool_names[rank]
-    if info.device == "cpu":
-        return BlockPool.attach(name, info.num_device_blocks, info.block_bytes)
-    # UNTESTED (no GPU in CI): rebuild the kvstore's CUDA tensor from the IPC handle it pickled into
-    # PoolInfo (kvstore.service._cuda_ipc_handles); pickle is acceptable only because the peer is our
-    # own kvstore on this host. Copy-on-write/swap copies run on the kvstore's stream: waiting on
-    # its interprocess event before a step that needs them is still to be done.
-    rebuild, args = pickle.loads(base64.b64decode(info.ipc_handles[rank]))
-    return BlockPool(name, info.num_device_blocks, info.block_bytes, rebuild(*args), shm=None, owner=False)
+    # CPU: shared memory by name; CUDA (UNTESTED here): the kvstore's IPC handle.
+    return attach_pools(info, "device", ranks=[rank])[0]
 
 
 def start_worker(config: Config) -> WorkerService:
@@ -300,7 +295,8 @@ def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) 
         raise StartupError(f"cannot map device pool {info.device_pool_names[config.rank]}: {e}") from None
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
     core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
-    return WorkerService(runner, core, pool, tp)
+    event = open_event(info.event_handles[config.rank], device) if info.event_handles else None
+    return WorkerService(runner, core, pool, tp, event)
 
 
 # ---- the process -------------------------------------------------------------------------------
