@@ -200,7 +200,10 @@ def _to_wire(value: Any, frames: list) -> Any:
         return {"__array__": len(frames) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
     if type(value) is list and value and dataclasses.is_dataclass(value[0]):
         names = _field_names(type(value[0]))
-        return [{n: _to_wire(getattr(v, n), frames) for n in names} for v in value]
+        if not any(n in _NESTED for n in names):   # the hot case (SeqWork): one flat dict each
+            return [{n: getattr(v, n) for n in names} for v in value]
+        return [{n: _to_wire(getattr(v, n), frames) if n in _NESTED else getattr(v, n) for n in names}
+                for v in value]
     if type(value) is tuple:
         return list(value)
     return value
