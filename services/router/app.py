@@ -64,7 +64,9 @@ class RouterContext:
         if self.backends is not None:
             await self.backends.close()
         if self.zmq_ctx is not None:
-            self.zmq_ctx.term()
+            # destroy, not term: term blocks forever on any socket still open (seen when uvicorn
+            # could not bind and shut the app down mid-start), destroy closes them first.
+            self.zmq_ctx.destroy(linger=0)
 
     # ---- checks shared by the endpoints ---------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

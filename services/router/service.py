@@ -151,6 +151,13 @@ def run(config: Config) -> int:
     from services.worker.model_loader import ModelLoadError
 
     logging.basicConfig(level=config.log_level, format="%(asctime)s router %(levelname)s %(message)s")
+    try:   # a taken port fails here, in one line, before the model loads and the app starts
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+            probe.bind((config.host, config.port))
+    except OSError as e:
+        print(f"router: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 1
     server_cls = _server_class()
     try:
         app = build_app(config)
