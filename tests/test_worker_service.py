@@ -168,7 +168,7 @@ class Served:
 
     def close(self) -> None:
         self.sched.close()
-        stop_all(self.workers + [self.kvstore], signal.SIGKILL)
+        stop_all(self.workers + [self.kvstore])   # SIGTERM: the kvstore unlinks its pools
 
 
 @pytest.fixture(scope="module")
