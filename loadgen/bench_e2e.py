@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-device-blocks", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="WARNING", help="INFO shows the scheduler's step timing")
     args = p.parse_args(argv)
 
     from loadgen.stack import Stack
@@ -106,13 +107,15 @@ def main(argv=None) -> int:
     reqs = make_requests(args.requests, args.prompt_len, args.max_tokens, spec.vocab_size, args.seed)
 
     tokens, elapsed = offline_tokens_per_s(args.model, reqs, {"num_device_blocks": args.num_device_blocks})
-    stack = Stack(args.model, "--num-device-blocks", str(args.num_device_blocks), "--log-level", "WARNING")
+    stack = Stack(args.model, "--num-device-blocks", str(args.num_device_blocks), "--log-level", args.log_level)
     try:
         asyncio.run(drive(stack.url, args.model, reqs[:4], None, args.seed))        # warm-up
         poisson = asyncio.run(drive(stack.url, args.model, reqs, args.rate, args.seed))
         saturated = asyncio.run(drive(stack.url, args.model, reqs, None, args.seed))
+        time.sleep(1.5)   # the scheduler logs its step timing once it has been idle a heartbeat
     finally:
         stack.stop()
+        timing = [line.split("INFO ", 1)[-1].strip() for line in stack.lines if "mean ms" in line]
     print(f"model {args.model}, {args.requests} requests, prompt <= {args.prompt_len}, "
           f"output <= {args.max_tokens} tokens, greedy, ignore_eos")
     print(f"{'run':<22} {'reqs':>4} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'TTFT ms':>8} {'p99':>8} "
@@ -122,6 +125,8 @@ def main(argv=None) -> int:
     print(f"{'offline engine':<22} {args.requests:>4} {tokens:>7} {elapsed:>8.1f} {tokens / elapsed:>9.1f}")
     api = sum(r["tokens"] for r in saturated[0]) / saturated[1]
     print(f"stack / offline at saturation: {api / (tokens / elapsed):.2f} (goal >= 0.85)")
+    for line in timing:    # with --log-level INFO: the scheduler's per-step breakdown per run
+        print("scheduler:", line)
     return 0
 
 

@@ -29,12 +29,19 @@ class RpcClient:
 
     def call(self, msg, timeout_s: float | None = None):
         """Send one message and wait for its answer (a decoded protocol message)."""
-        timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        self.send(msg)
+        return self.receive(timeout_s)
+
+    def send(self, msg) -> None:
+        """The first half of a call, for callers that do other work before reading the answer."""
         self.sock.send_multipart(protocol.encode(msg), copy=False)
+
+    def receive(self, timeout_s: float | None = None):
+        timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
         if not self.sock.poll(timeout_ms, zmq.POLLIN):
             self.sock.close()
             self.sock = self._connect()
-            raise PeerTimeout(f"{self.endpoint} did not answer {type(msg).__name__} within {timeout_ms} ms")
+            raise PeerTimeout(f"{self.endpoint} did not answer within {timeout_ms} ms")
         return protocol.decode(self.sock.recv_multipart(copy=False))
 
     def close(self) -> None:

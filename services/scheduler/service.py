@@ -24,6 +24,7 @@ from services.rpc import PeerTimeout, RpcClient
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from services.scheduler.stepper import RouterView, WorkerView
+from services.worker.worker_core import SampleResult
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -85,6 +86,26 @@ def config_from_args(args) -> Config:
                   log_level=args.log_level).validate()
 
 
+class StepTiming:
+    """Where a step's time goes (logged every 10 s while busy): the worker's compute vs the rest."""
+    NAMES = ("step", "schedule", "kvstore", "worker round trip", "worker compute")
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last = every_s, time.monotonic()
+        self.sums, self.steps = [0.0] * len(self.NAMES), 0
+
+    def add(self, *seconds: float) -> None:
+        self.steps += 1
+        self.sums = [a + b for a, b in zip(self.sums, seconds)]
+
+    def maybe_log(self, idle: bool = False) -> None:
+        """Every every_s while busy, and once when the work runs out."""
+        if self.steps and (idle or time.monotonic() - self.last >= self.every_s):
+            log.info("%d steps, mean ms: %s", self.steps, ", ".join(
+                f"{n} {1000 * s / self.steps:.2f}" for n, s in zip(self.NAMES, self.sums)))
+            self.sums, self.steps, self.last = [0.0] * len(self.NAMES), 0, time.monotonic()
+
+
 class SchedulerService:
     def __init__(self, config: Config):
         from kvstore.replay import RecordingStore
@@ -109,6 +130,7 @@ class SchedulerService:
         self.owner: dict[str, bytes] = {}           # request id -> router identity
         self.workers_view, self.routers_view = WorkerView(), RouterView()
         self.step_no = 0
+        self.timing = StepTiming()
         self.ready = True
         self.broken: str | None = None   # set when the kvstore diverged: this replica cannot recover
         self.last_beat = time.monotonic()
@@ -179,16 +201,30 @@ class SchedulerService:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
+        t0 = time.perf_counter()
         scheduled = self.core.schedule()
-        self._sync_kvstore()
-        results = []
-        if scheduled.steps:
-            request = self.workers_view.execute_step(self.step_no, scheduled, self.mirror, self.core.requests)
-            reply = self.worker.call(request)
-            if not isinstance(reply, protocol.StepResult) or reply.error:
-                raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
-            from services.worker.worker_core import SampleResult
-            results = [SampleResult(**r) for r in reply.results]
+        t1 = time.perf_counter()
+        # A step whose block ops move no bytes (no copy-on-write, no swap: nearly every decode step)
+        # need not wait for the kvstore: the worker runs while the kvstore replays the metadata,
+        # and the reply is checked after. Otherwise the copies must land before the worker reads.
+        pending = self._send_ops()
+        if pending is not None and pending[1]:
+            self._check_ops(pending)
+            pending = None
+        t2 = time.perf_counter()
+        results, worker_s = [], 0.0
+        try:
+            if scheduled.steps:
+                request = self.workers_view.execute_step(self.step_no, scheduled, self.mirror, self.core.requests)
+                reply = self.worker.call(request)
+                if not isinstance(reply, protocol.StepResult) or reply.error:
+                    raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
+                results = [SampleResult(**r) for r in reply.results]
+                worker_s = reply.elapsed
+        finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
+            t3 = time.perf_counter()
+            if pending is not None:
+                self._check_ops(pending)
         finished = self.core.update(scheduled, results)
         batches: dict[bytes, list[protocol.RequestUpdate]] = {}
         for req in scheduled.requests:
@@ -200,6 +236,7 @@ class SchedulerService:
         self._flush_finished(finished)
         if not self.core.has_unfinished():
             self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
+        self.timing.add(time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, worker_s)
 
     def _flush_finished(self, finished) -> None:
         for req in finished:
@@ -212,11 +249,22 @@ class SchedulerService:
                 self.core.requests.pop(req.request_id, None)
 
     def _sync_kvstore(self) -> None:
+        pending = self._send_ops()
+        if pending is not None:
+            self._check_ops(pending)
+
+    def _send_ops(self):
+        """Send the mirror's op log -> (expected results, whether it moves bytes), or None if empty."""
         ops, expected = self.mirror.drain()
         if not ops:
-            return
+            return None
         self.step_no += 1
-        reply = self.kv.call(protocol.ApplyOps(self.step_no, ops))
+        self.kv.send(protocol.ApplyOps(self.step_no, ops))
+        return expected, _moves_bytes(ops, expected)
+
+    def _check_ops(self, pending) -> None:
+        expected, _ = pending
+        reply = self.kv.receive()
         if not isinstance(reply, protocol.ApplyOpsReply) or reply.error or reply.results != expected:
             self.broken = "the kvstore diverged from the scheduler's block-store mirror"
             raise RuntimeError(f"kvstore diverged from the scheduler's mirror at step {self.step_no}: "
@@ -236,6 +284,7 @@ class SchedulerService:
         if now - self.last_beat < self.config.heartbeat_s:
             return
         self.last_beat = now
+        self.timing.maybe_log(idle=not self.core.has_unfinished())
         self._sync_kvstore()     # aborts and frees made while idle
         ok = self.broken is None
         for client, name in ((self.kv, "kvstore"), (self.worker, "worker")):
@@ -261,6 +310,12 @@ class SchedulerService:
                 "kv_cache_usage_perc": kv.get("device_blocks_used", 0) / total,
                 "num_preemptions": s["preemptions"], "prefix_cache_queries": kv.get("prefix_queries_tokens", 0),
                 "prefix_cache_hits": kv.get("prefix_hit_tokens", 0), "scheduler": dict(s), "kv": kv}
+
+
+def _moves_bytes(ops: list[list], results: list) -> bool:
+    """Whether replaying these ops copies block bytes (swaps, or appends that copied on write)."""
+    return any(op[0] in ("swap_out", "swap_in") or (op[0] == "append_slots" and r[1])
+               for op, r in zip(ops, results))
 
 
 def run(config: Config) -> int:
