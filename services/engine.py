@@ -77,7 +77,11 @@ class Engine:
         if num_device < 1:
             raise ConfigError("the KV cache budget is smaller than one block")
         self.device_pool = BlockPool.create(unique_pool_name("device"), num_device, block_bytes, config.device)
-        self.host_pool = BlockPool.create(unique_pool_name("host"), num_host, block_bytes, "cpu")
+        try:
+            self.host_pool = BlockPool.create(unique_pool_name("host"), num_host, block_bytes, "cpu")
+        except BaseException:
+            _release(self.device_pool)   # never leave a named segment behind in /dev/shm
+            raise
         self.store = BlockStore(num_device, num_host, config.block_size,
                                 enable_prefix_caching=config.enable_prefix_caching,
                                 device_pools=[self.device_pool], host_pools=[self.host_pool])
@@ -144,13 +148,17 @@ class Engine:
         return {**self.store.stats(), **dict(self.scheduler.stats)}
 
     def close(self) -> None:
-        self.runner = None
+        self.runner = self.worker = None   # drop the views of the pool before unmapping it
         for pool in (self.device_pool, self.host_pool):
-            pool.close()
-            pool.unlink()
+            _release(pool)
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _release(pool: BlockPool) -> None:
+    pool.close()
+    pool.unlink()

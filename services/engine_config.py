@@ -1,7 +1,7 @@
 """The engine's one validated configuration object (offline engine, scheduler and kvstore share it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -27,7 +27,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None       # None: the model's own
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> "EngineConfig":
         bs = self.block_size
