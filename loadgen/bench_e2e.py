@@ -20,11 +20,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_requests(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def make_requests(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int,
+                  spread: bool = True) -> list[tuple[list[int], int]]:
+    """Random token ids; lengths in [half, full] with spread, else exactly prompt_len -> max_tokens."""
     rng = random.Random(seed)
-    # Random token ids, fixed lengths with some spread (as vLLM's "random" dataset does).
-    return [([rng.randrange(10, vocab) for _ in range(rng.randint(prompt_len // 2, prompt_len))],
-             rng.randint(max_tokens // 2, max_tokens)) for _ in range(n)]
+    lo_p, lo_o = (prompt_len // 2, max_tokens // 2) if spread else (prompt_len, max_tokens)
+    return [([rng.randrange(10, vocab) for _ in range(rng.randint(lo_p, prompt_len))],
+             rng.randint(lo_o, max_tokens)) for _ in range(n)]
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -95,16 +97,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-device-blocks", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fixed-lengths", action="store_true",
+                   help="every request exactly --prompt-len -> --max-tokens (vLLM's random dataset, range 0)")
+    p.add_argument("--hidden-size", type=int, default=128, help="hidden size of the tiny model built if missing")
     p.add_argument("--log-level", default="WARNING", help="INFO shows the scheduler's step timing")
     args = p.parse_args(argv)
 
     from loadgen.stack import Stack
     from services.tiny_model import build_tiny_model
     if not (Path(args.model) / "config.json").exists():
-        build_tiny_model(args.model, arch="llama")
+        build_tiny_model(args.model, arch="llama", hidden_size=args.hidden_size)
     from services.worker.model_loader import inspect_model_dir
     _, spec = inspect_model_dir(args.model)
-    reqs = make_requests(args.requests, args.prompt_len, args.max_tokens, spec.vocab_size, args.seed)
+    reqs = make_requests(args.requests, args.prompt_len, args.max_tokens, spec.vocab_size, args.seed,
+                         spread=not args.fixed_lengths)
 
     tokens, elapsed = offline_tokens_per_s(args.model, reqs, {"num_device_blocks": args.num_device_blocks})
     stack = Stack(args.model, "--num-device-blocks", str(args.num_device_blocks), "--log-level", args.log_level)
