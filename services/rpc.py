@@ -1,17 +1,22 @@
 """Request/reply over a ZeroMQ DEALER socket with a deadline: how one process asks another.
 
-A peer that does not answer in time raises PeerTimeout; the socket is then rebuilt so that a late
-reply can never be mistaken for the answer to the next question.
+A peer that does not answer in time raises PeerTimeout; so does a peer whose connection drops while
+we wait (seen through a ZeroMQ socket monitor), at once rather than at the deadline: a worker that
+dies mid-step fails the step in milliseconds, not after the step timeout. Either way the socket is
+rebuilt, so that a late reply can never be mistaken for the answer to the next question.
 """
 from __future__ import annotations
 
+import time
+
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from services import protocol
 
 
 class PeerTimeout(RuntimeError):
-    """The peer did not answer in time: it is down, stuck, or unreachable."""
+    """The peer did not answer in time, or its connection dropped: it is down, stuck, or unreachable."""
 
 
 class RpcClient:
@@ -19,13 +24,18 @@ class RpcClient:
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = ctx or zmq.Context.instance()
-        self.sock = self._connect()
+        self.sock, self.monitor = self._connect()
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
-        return sock
+        return sock, monitor
+
+    def _reconnect(self) -> None:
+        self.close()
+        self.sock, self.monitor = self._connect()
 
     def call(self, msg, timeout_s: float | None = None):
         """Send one message and wait for its answer (a decoded protocol message)."""
@@ -34,15 +44,36 @@ class RpcClient:
 
     def send(self, msg) -> None:
         """The first half of a call, for callers that do other work before reading the answer."""
+        self._drain_monitor()   # connection events from before this question say nothing about it
         self.sock.send_multipart(protocol.encode(msg), copy=False)
 
     def receive(self, timeout_s: float | None = None):
         timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
-            self.sock.close()
-            self.sock = self._connect()
-            raise PeerTimeout(f"{self.endpoint} did not answer within {timeout_ms} ms")
-        return protocol.decode(self.sock.recv_multipart(copy=False))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while (left := int((deadline - time.monotonic()) * 1000)) > 0:
+            ready = dict(poller.poll(left))
+            if self.sock in ready:
+                return protocol.decode(self.sock.recv_multipart(copy=False))
+            if self.monitor in ready and self._disconnected():
+                self._reconnect()
+                raise PeerTimeout(f"{self.endpoint} dropped the connection before answering")
+        self._reconnect()
+        raise PeerTimeout(f"{self.endpoint} did not answer within {timeout_ms} ms")
+
+    def _disconnected(self) -> bool:
+        gone = False
+        while self.monitor.poll(0, zmq.POLLIN):
+            gone |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return gone
+
+    def _drain_monitor(self) -> None:
+        while self.monitor.poll(0, zmq.POLLIN):
+            recv_monitor_message(self.monitor)
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
