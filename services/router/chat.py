@@ -39,9 +39,18 @@ async def create_chat_completion(ctx: "RouterContext", request):
     return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
 
 
+# OpenAI's roles; "assistant" and "tool" content may be empty (a tool call without text).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+                              f"messages[{i}].role")
+        if m.content is None and m.role in ("system", "user", "developer"):
+            raise bad_request(f"messages[{i}] ({m.role}) needs content", f"messages[{i}].content")
         content = m.content
         if isinstance(content, list):
             if any(p.type != "text" for p in content):
