@@ -206,3 +206,57 @@ def test_launcher_reports_the_failed_process_and_stops_the_others(tiny_llama):
     assert proc.returncode != 0 and "router0" in err, err
     time.sleep(0.5)
     assert not [p for p in seen if alive(p)]
+
+
+def test_mixed_load_under_pressure_leaves_pool_empty(tiny_llama):
+    """60 concurrent requests of every kind (n, beam, stop strings, streams cut short, chat,
+    logprobs, penalties) on a 24-block pool in auto mode: all answered, the pool back to empty,
+    the stack still ready, a clean stop."""
+    import asyncio
+    import random
+    import httpx
+    s = Stack(tiny_llama, "--num-device-blocks", "24", "--preemption-mode", "auto")
+    statuses: list[int] = []
+
+    async def one(client, i, rng):
+        kind = rng.choice(["plain", "n", "beam", "stop", "stream", "cut", "chat", "logprobs", "penalty"])
+        body = {"model": tiny_llama, "prompt": f"def f{i}(x):\n" * rng.randint(1, 6),
+                "max_tokens": rng.randint(1, 60), "temperature": rng.choice([0, 0.8])}
+        url = s.url + "/v1/completions"
+        body.update({"n": {"n": 3, "seed": i}, "beam": {"use_beam_search": True, "n": 2, "temperature": 0},
+                     "stop": {"stop": ["\n", "x"]}, "logprobs": {"logprobs": 3},
+                     "penalty": {"repetition_penalty": 1.3, "presence_penalty": 0.5}}.get(kind, {}))
+        if kind == "chat":
+            url = s.url + "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+        if kind in ("stream", "cut"):
+            body["stream"] = True
+            async with client.stream("POST", url, json=body) as r:
+                lines = 0
+                async for _ in r.aiter_lines():
+                    lines += 1
+                    if kind == "cut" and lines > 3:
+                        break      # the client goes away mid-stream: the router must abort it
+                statuses.append(r.status_code)
+            return
+        statuses.append((await client.post(url, json=body)).status_code)
+
+    async def run_all():
+        rng = random.Random(0)
+        async with httpx.AsyncClient(timeout=300) as client:
+            await asyncio.gather(*[one(client, i, rng) for i in range(60)])
+    try:
+        asyncio.run(run_all())
+        assert statuses == [200] * 60
+        for _ in range(50):      # aborts of cut streams reach the kvstore within a heartbeat
+            kv = get_json(s.url + "/v1/kv")
+            if kv["num_sequences"] == 0:
+                break
+            time.sleep(0.1)
+        assert kv["device_blocks_used"] == 0 and kv["host_blocks_used"] == 0 and kv["num_sequences"] == 0, kv
+        assert get_json(s.url + "/health") is not None
+        with urllib.request.urlopen(s.url + "/ready", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        code = s.stop()
+    assert code == 0
