@@ -3,9 +3,12 @@
 For each batch size (running sequences in decode), a real kvstore process is started and the real
 Scheduler core plans on a RecordingStore mirror, as the scheduler process does. A fake worker
 answers each scheduled sample with a token at once. Per decode step it times:
-  exchange   encode ApplyOps + send + replay in the kvstore + reply + decode + compare results
-  step       the whole control plane of a step: schedule + exchange + build and encode the
-             ExecuteStep (services.scheduler.stepper.WorkerView) + update with the fake results
+  exchange   what the step spends on the kvstore: encoding and sending ApplyOps, then waiting for
+             and checking the reply; the replay itself overlaps building the worker's step, as in
+             the scheduler process (services/scheduler/service.py)
+  step       the whole control plane of a step, in the scheduler process's order: schedule, send
+             the op log, build and encode the ExecuteStep (services.scheduler.stepper.WorkerView),
+             check the kvstore's reply, update with the fake results
 and, to say where the time goes, the scheduler core alone (schedule + update) and the replay alone
 (apply_ops in this process on a pool-less replica, the kvstore's share of the exchange).
 
@@ -92,18 +95,22 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             sched.add_request(f"r{i}", [rng.randrange(10, 30000) for _ in range(prompt_len)], params)
         view, t = WorkerView(), Timings(num_seqs)
         for step_no in itertools.count(1):
+            # In the order the scheduler process runs a decode step: the op log goes out, the
+            # worker's step is built while the kvstore replays, then the reply is checked.
             t0 = time.perf_counter()
             scheduled = sched.schedule()
             t1 = time.perf_counter()
             ops, expected = mirror.drain()
-            reply = client.apply(step_no, ops)
-            if reply.results != expected or reply.error:
-                raise RuntimeError(f"step {step_no}: the kvstore diverged: {reply.error}")
-            t2 = time.perf_counter()
+            client._rpc.send(protocol.ApplyOps(step_no, ops))
+            sent = time.perf_counter()
             protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.requests))
             results = [SampleResult(r.seq_id, token_id=(r.seq_id * 7 + step_no) % 30000 + 10)
                        for wanted in scheduled.samples for r in wanted]
             t3 = time.perf_counter()
+            reply = client._rpc.receive()
+            if reply.results != expected or reply.error:
+                raise RuntimeError(f"step {step_no}: the kvstore diverged: {reply.error}")
+            t2 = time.perf_counter()
             sched.update(scheduled, results)
             t4 = time.perf_counter()
             r0 = time.perf_counter()
@@ -112,9 +119,9 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             in_decode = len(scheduled.steps) == num_seqs and scheduled.num_tokens == num_seqs
             if in_decode and step_no > 10:   # admitted, prefilled, and a few warm-up decode steps
                 t.ops_per_step.append(len(ops))
-                t.exchange.append(t2 - t1)
+                t.exchange.append((sent - t1) + (t2 - t3))   # what the step spends on the kvstore
                 t.step.append(t4 - t0)
-                t.core.append((t1 - t0) + (t4 - t3))
+                t.core.append((t1 - t0) + (t4 - t2))
                 t.replay.append(r1 - r0)
                 if profile is not None and len(t.step) == 1:
                     profile.enable()
