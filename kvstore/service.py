@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 
@@ -145,12 +146,14 @@ def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
 class KVStoreService:
     """Answers one decoded request at a time; no sockets, so tests can drive it directly."""
 
-    def __init__(self, store: BlockStore, info: protocol.PoolInfo, sync=None):
-        self.store = store
+    def __init__(self, make_store: Callable[[], BlockStore], info: protocol.PoolInfo, sync=None):
+        self.make_store = make_store   # a new, empty store over the same pools (ResetStore)
+        self.store = make_store()
         self.info = info
         self.sync = sync or NoSync()   # CUDA: copies on the kvstore's streams, then an event per device
         self.last_step: int | None = None
-        self._handlers = {protocol.ApplyOps: self._apply, protocol.GetPoolInfo: lambda _: self.info,
+        self._handlers = {protocol.ApplyOps: self._apply, protocol.ResetStore: self._reset,
+                          protocol.GetPoolInfo: lambda _: self.info,
                           protocol.GetStats: lambda _: protocol.StatsReply(self.store.stats()),
                           protocol.Ping: _pong}
 
@@ -171,6 +174,14 @@ class KVStoreService:
             log.error("internal error: %r", e)
             reply = protocol.Error(f"internal error: {e!r}", code=500, type="internal_error")
         return protocol.encode(reply)
+
+    def _reset(self, msg: protocol.ResetStore) -> protocol.Pong:
+        """Block metadata back to empty for a scheduler that starts over; the bytes are garbage now
+        and nobody refers to them (the new scheduler's mirror is empty too)."""
+        log.info("reset by %s: %d sequences forgotten", msg.sender or "a scheduler", len(self.store.seq_ids()))
+        self.store = self.make_store()
+        self.last_step = None
+        return _pong(protocol.Ping())
 
     def _apply(self, msg: protocol.ApplyOps):
         if self.last_step is not None and msg.step <= self.last_step:
@@ -213,10 +224,11 @@ def run(config: Config) -> int:
             return 1
         try:
             pools = Pools(config)
-            store = BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
-                               config.enable_prefix_caching, pools.device, pools.host)
+            def make_store() -> BlockStore:
+                return BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
+                                  config.enable_prefix_caching, pools.device, pools.host)
             sync = NoSync() if config.device == "cpu" else CopySync([str(p.device) for p in pools.device])
-            service = KVStoreService(store, pool_info(config, pools, sync), sync)
+            service = KVStoreService(make_store, pool_info(config, pools, sync), sync)
         except (OSError, ValueError, RuntimeError) as e:
             log.error("cannot create the pools: %s", e)
             return 1

@@ -9,7 +9,7 @@ message where there is someone to answer, and carry on.
 Sockets and who talks (tcp or ipc endpoints, all on loopback in tests):
   router    --DEALER--> scheduler ROUTER   AddRequest, AbortRequest, GetStats, Ping
   scheduler --ROUTER--> router             RequestUpdates (one per router per step), Error, StatsReply, Pong
-  scheduler --DEALER--> kvstore ROUTER     ApplyOps, GetPoolInfo, GetStats, Ping -> ApplyOpsReply, PoolInfo, StatsReply, Pong
+  scheduler --DEALER--> kvstore ROUTER     ResetStore, ApplyOps, GetPoolInfo, GetStats, Ping -> Pong, ApplyOpsReply, PoolInfo, StatsReply, Pong
   scheduler --DEALER--> worker ROUTER      ExecuteStep, Ping -> StepResult, Pong (rank 0 answers for the group)
 """
 from __future__ import annotations
@@ -124,6 +124,13 @@ class PoolInfo:
 
 
 @dataclass
+class ResetStore:
+    """A (re)started scheduler's first word to its kvstore: forget every sequence and step number.
+    Its mirror starts empty, so the replica must too; pools, and the workers' mappings, stay."""
+    sender: str = ""
+
+
+@dataclass
 class ApplyOps:
     """One step's block operations, in the order the scheduler's mirror applied them."""
     step: int
@@ -175,7 +182,7 @@ class StepResult:
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, RequestUpdates, GetStats, StatsReply,
-    GetPoolInfo, PoolInfo, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
+    GetPoolInfo, PoolInfo, ResetStore, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
 _NESTED = {"outputs": CompletionDelta, "seqs": SeqWork, "updates": RequestUpdate}
 
 

@@ -17,27 +17,82 @@ def start(*argv: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_worker_death_fails_requests_fast(tiny_llama, tmp_path):
+def engine_processes(model: str, tmp_path) -> tuple[list[subprocess.Popen], str]:
+    """kvstore, worker and scheduler as separate processes (no launcher) -> (procs, scheduler endpoint)."""
     from services.worker.model_loader import inspect_model_dir
     import torch
-    _, spec = inspect_model_dir(tiny_llama)
+    _, spec = inspect_model_dir(model)
     kv, worker, sched = (f"ipc://{tmp_path}/{n}.sock" for n in ("kv", "worker", "sched"))
     procs = [start("kvstore", "--endpoint", kv, "--num-device-blocks", "256", "--num-host-blocks", "0",
                    "--block-size", "16", "--block-bytes", str(spec.block_bytes(16, torch.float32))),
-             start("worker", "--model", tiny_llama, "--endpoint", worker, "--kvstore-endpoint", kv),
-             start("scheduler", "--model", tiny_llama, "--endpoint", sched, "--kvstore-endpoint", kv,
-                   "--worker-endpoint", worker)]
+             start("worker", "--model", model, "--endpoint", worker, "--kvstore-endpoint", kv),
+             start_scheduler(model, sched, kv, worker)]
+    return procs, sched
+
+
+def start_scheduler(model: str, sched: str, kv: str, worker: str) -> subprocess.Popen:
+    return start("scheduler", "--model", model, "--endpoint", sched, "--kvstore-endpoint", kv,
+                 "--worker-endpoint", worker)
+
+
+def connect_when_ready(sched: str, procs: list[subprocess.Popen]) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sched)
+    deadline = time.monotonic() + 120
+    while True:   # the scheduler answers once its peers do
+        sock.send_multipart(protocol.encode(protocol.Ping("test")))
+        if sock.poll(1000):
+            assert protocol.decode(sock.recv_multipart()).ready
+            return sock
+        assert time.monotonic() < deadline, [p.stderr.read() for p in procs if p.poll() is not None]
+
+
+def run_to_end(sock: zmq.Socket, request_id: str, max_tokens: int) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True).to_dict()
+    sock.send_multipart(protocol.encode(protocol.AddRequest(request_id, list(range(10, 40)), params)))
+    tokens: list[int] = []
+    while True:
+        assert sock.poll(60000), "no answer"
+        msg = protocol.decode(sock.recv_multipart())
+        for u in msg.updates if isinstance(msg, protocol.RequestUpdates) else [msg]:
+            if isinstance(u, protocol.RequestUpdate) and u.request_id == request_id:
+                assert not u.error, u.error
+                tokens += [t for d in u.outputs for t in d.token_ids]
+                if u.finished:
+                    return tokens
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        p.wait(30)
+
+
+def test_restarted_scheduler_resets_the_kvstore_and_serves_again(tiny_llama, tmp_path):
+    """A scheduler killed outright and started again against the same kvstore and worker: its
+    empty mirror and the kvstore agree again (ResetStore), and it serves the same tokens."""
+    procs, sched = engine_processes(tiny_llama, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:   # wait until the scheduler answers (it waits for its peers first)
-            sock.send_multipart(protocol.encode(protocol.Ping("test")))
-            if sock.poll(1000):
-                assert protocol.decode(sock.recv_multipart()).ready
-                break
-            assert time.monotonic() < deadline, [p.stderr.read() for p in procs if p.poll() is not None]
+        sock = connect_when_ready(sched, procs)
+        first = run_to_end(sock, "before", 20)
+        sock.close()
+        procs[2].kill()
+        procs[2].wait()
+        procs[2] = start_scheduler(tiny_llama, sched, *(f"ipc://{tmp_path}/{n}.sock" for n in ("kv", "worker")))
+        sock = connect_when_ready(sched, procs)
+        assert run_to_end(sock, "after", 20) == first
+        sock.close()
+    finally:
+        stop(procs)
+
+
+def test_worker_death_fails_requests_fast(tiny_llama, tmp_path):
+    procs, sched = engine_processes(tiny_llama, tmp_path)
+    sock = connect_when_ready(sched, procs)
+    try:
         params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True).to_dict()
         sock.send_multipart(protocol.encode(protocol.AddRequest("long", list(range(10, 40)), params)))
         first = protocol.decode(sock.recv_multipart())
@@ -63,8 +118,4 @@ def test_worker_death_fails_requests_fast(tiny_llama, tmp_path):
         assert not pong.ready
     finally:
         sock.close()
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            p.wait(30)
+        stop(procs)

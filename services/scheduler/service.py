@@ -118,6 +118,9 @@ class SchedulerService:
         self.kv = RpcClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
         self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx)
         info = self._wait_for(self.kv, protocol.GetPoolInfo(), "kvstore")
+        # The kvstore may have served an earlier scheduler of this replica (a restart): start both
+        # block stores, the mirror and the replica, from empty.
+        self.kv.call(protocol.ResetStore("scheduler"))
         self._wait_for(self.worker, protocol.Ping("scheduler"), "worker")
         self.mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
                                                 enable_prefix_caching=info.enable_prefix_caching))
