@@ -10,10 +10,6 @@ import json
 import sys
 
 
-class CLIError(Exception):
-    """An expected failure to report in one line."""
-
-
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face folder (config.json + safetensors)")
     p.add_argument("--device", default="cpu")
@@ -150,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.model_loader import ModelLoadError
     from services.sampling_params import SamplingParamsError
     from services.engine import PromptTooLongError
-    expected = (CLIError, ValueError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
+    # ValueError covers every config's validate() (ConfigError, SchedulerError are ValueErrors).
+    expected = (ValueError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
     try:
         return args.func(args)
     except expected as e:
