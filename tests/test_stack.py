@@ -260,3 +260,20 @@ def test_mixed_load_under_pressure_leaves_pool_empty(tiny_llama):
     finally:
         code = s.stop()
     assert code == 0
+
+
+def test_tensor_parallel_stack_matches_engine(tiny_llama):
+    """`pagedserve up --tensor-parallel 2`: two worker ranks (gloo) serve the engine's greedy text."""
+    from services.engine import Engine
+    from services.engine_config import EngineConfig
+    from services.sampling_params import SamplingParams
+    with Engine(EngineConfig(model=tiny_llama, num_device_blocks=128)) as engine:
+        expected = [o.outputs[0].text for o in engine.generate(PROMPTS[:3], SamplingParams(max_tokens=16, temperature=0))]
+    s = Stack(tiny_llama, "--tensor-parallel", "2", "--num-device-blocks", "128")
+    try:
+        c = client(s.url)
+        got = [c.completions.create(model=tiny_llama, prompt=p, max_tokens=16, temperature=0).choices[0].text
+               for p in PROMPTS[:3]]
+        assert got == expected
+    finally:
+        assert s.stop() == 0
