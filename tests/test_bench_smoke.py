@@ -1,4 +1,4 @@
-"""Smoke tests for the engine benchmarks (loadgen.bench_sharing, loadgen.bench_throughput) and the
+"""Smoke tests for the benchmarks (loadgen.bench_sharing, bench_throughput, bench_control_plane, bench_e2e) and the
 length distributions they draw from: each script's main() runs in --quick mode in a few seconds and
 prints the table it promises, so the scripts cannot rot unnoticed."""
 from __future__ import annotations
@@ -71,3 +71,18 @@ def test_scaling_divides_then_caps_output_first():
     assert scaled.pairs == [(50, 25), (2, 1), (45, 75), (119, 1)]
     assert scaled.source == "test, divided by 2, 2 capped at 120 tokens"
     assert scale_lengths(scaled).pairs == scaled.pairs
+
+
+def test_control_plane_quick_prints_its_table(capsys):
+    from loadgen import bench_control_plane
+    assert bench_control_plane.main(["--seqs", "1", "4", "--steps", "5"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "4"] and all(len(r) >= 10 for r in rows)
+
+
+def test_e2e_quick_prints_its_table(tiny_llama, capsys):
+    from loadgen import bench_e2e
+    assert bench_e2e.main(["--model", tiny_llama, "--requests", "3", "--rate", "20", "--prompt-len", "8",
+                           "--max-tokens", "4", "--num-device-blocks", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "API, Poisson" in out and "API, all at once" in out and "stack / offline at saturation" in out
