@@ -86,3 +86,10 @@ def test_e2e_quick_prints_its_table(tiny_llama, capsys):
                            "--max-tokens", "4", "--num-device-blocks", "64"]) == 0
     out = capsys.readouterr().out
     assert "API, Poisson" in out and "API, all at once" in out and "stack / offline at saturation" in out
+
+
+def test_kernel_benchmark_quick_prints_every_cell(capsys):
+    from kernels import benchmark
+    benchmark.main(["--repeats", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [(b, c) for b in ("8", "32") for c in ("64", "128", "256", "1024")]
