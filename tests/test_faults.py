@@ -42,10 +42,10 @@ def connect_when_ready(sched: str, procs: list[subprocess.Popen]) -> zmq.Socket:
     deadline = time.monotonic() + 120
     while True:   # the scheduler answers once its peers do
         sock.send_multipart(protocol.encode(protocol.Ping("test")))
-        if sock.poll(1000):
-            assert protocol.decode(sock.recv_multipart()).ready
+        if sock.poll(1000) and protocol.decode(sock.recv_multipart()).ready:
             return sock
         assert time.monotonic() < deadline, [p.stderr.read() for p in procs if p.poll() is not None]
+        time.sleep(0.2)
 
 
 def run_to_end(sock: zmq.Socket, request_id: str, max_tokens: int) -> list[int]:
@@ -116,6 +116,12 @@ def test_worker_death_fails_requests_fast(tiny_llama, tmp_path):
             assert sock.poll(5000)
             pong = protocol.decode(sock.recv_multipart())
         assert not pong.ready
+        # A new worker in the dead one's place: the replica comes back by itself and serves again.
+        procs[1] = start("worker", "--model", tiny_llama, "--endpoint", f"ipc://{tmp_path}/worker.sock",
+                         "--kvstore-endpoint", f"ipc://{tmp_path}/kv.sock")
+        sock.close()
+        sock = connect_when_ready(sched, procs)
+        assert len(run_to_end(sock, "after-restart", 8)) == 8
     finally:
         sock.close()
         stop(procs)
