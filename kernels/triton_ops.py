@@ -43,6 +43,18 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, kv_pos, kv_ok, kv_head, dims,
+                  cache_s0, cache_s1, cache_s2, BLOCK_SIZE: tl.constexpr):
+    """One tile of keys (transposed, [D, N]) and values ([N, D]) at positions kv_pos ([N]) of a
+    sequence, found through its block table; positions outside kv_ok read as zeros."""
+    block_id = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    kv_off = block_id * cache_s0 + (kv_pos % BLOCK_SIZE) * cache_s1 + kv_head * cache_s2  # [N]
+    k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=kv_ok[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      key_s0, key_s1, value_s0, value_s1,
                      cache_s0, cache_s1, cache_s2,
@@ -134,12 +146,8 @@ def _paged_attention_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         kv_pos = kv_start + cols  # [N]
         kv_ok = kv_pos < kv_end
-        block_id = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        kv_off = block_id * cache_s0 + (kv_pos % BLOCK_SIZE) * cache_s1 + kv_head * cache_s2  # [N]
-        k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=kv_ok[None, :],
-                    other=0.0)  # [D, N]
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_ok[:, None],
-                    other=0.0)  # [N, D]
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, kv_pos, kv_ok, kv_head, dims,
+                             cache_s0, cache_s1, cache_s2, BLOCK_SIZE)  # [D, N], [N, D]
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N], log2 units
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
@@ -184,12 +192,8 @@ def _paged_decode_kernel(
     for kv_start in range(0, seq_len, BLOCK_N):
         kv_pos = kv_start + cols  # [N]
         kv_ok = kv_pos < seq_len
-        block_id = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        kv_off = block_id * cache_s0 + (kv_pos % BLOCK_SIZE) * cache_s1 + kv_head * cache_s2  # [N]
-        k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=kv_ok[None, :],
-                    other=0.0)  # [D, N]
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_ok[:, None],
-                    other=0.0)  # [N, D]
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, kv_pos, kv_ok, kv_head, dims,
+                             cache_s0, cache_s1, cache_s2, BLOCK_SIZE)  # [D, N], [N, D]
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [G, N]
         s = tl.where(kv_ok[None, :], s, float("-inf"))
