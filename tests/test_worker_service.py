@@ -131,7 +131,7 @@ class Scheduler:
             assert reply.error is None, reply.error
             new_params = {}
             for out, r in zip(outs, reply.results):
-                out.append(r["token_id"])
+                out.append(r.token_id)
             for s, p, out in zip(seq_ids, prompts, outs):
                 assert self.mirror.append_slots(s, [out[-1]]).ok
             seqs = [protocol.SeqWork(s, [out[-1]], len(p) + len(out) - 1, [[s, "greedy", 0, 0, len(out)]])

@@ -24,7 +24,6 @@ from services.rpc import PeerTimeout, RpcClient
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from services.scheduler.stepper import RouterView, WorkerView
-from services.worker.worker_core import SampleResult
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -222,7 +221,7 @@ class SchedulerService:
                 reply = self.worker.call(request)
                 if not isinstance(reply, protocol.StepResult) or reply.error:
                     raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
-                results = [SampleResult(**r) for r in reply.results]
+                results = reply.results
                 worker_s = reply.elapsed
         finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
             t3 = time.perf_counter()

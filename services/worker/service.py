@@ -196,7 +196,7 @@ class WorkerService:
         finally:
             self.inputs.drop_params(msg)
         self.steps_run += 1
-        return protocol.StepResult(msg.step, [r.__dict__ for r in results], error,
+        return protocol.StepResult(msg.step, results, error,
                                    time.perf_counter() - start)
 
     def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]]) -> list[SampleResult]:

@@ -5,10 +5,11 @@ generator. The worker process and the offline engine both call `execute`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from services.protocol import SampleResult
 from services.sampling_params import SamplingParams
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.sampler import SamplingRow, sample, top_logprobs
@@ -23,15 +24,6 @@ class SampleRequest:
     output_token_ids: list[int]
     seq_index: int = 0
     beam_candidates: int = 0     # > 0: return this many top raw logprobs instead of sampling
-
-
-@dataclass
-class SampleResult:
-    seq_id: int
-    token_id: int = -1
-    logprob: float = 0.0
-    top_logprobs: list[tuple[int, float]] | None = None
-    candidates: list[tuple[int, float]] = field(default_factory=list)   # beam search
 
 
 class WorkerCore:
