@@ -38,12 +38,15 @@ def _encode_key(key: object) -> bytes:
     return tag + struct.pack("<I", len(body)) + body
 
 
+_NO_KEYS = _encode_key(())
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
     """Key of one full block: its parent's key (None for the first block), tokens and extras."""
     h = hashlib.blake2b(digest_size=HASH_BYTES)
     h.update(parent if parent is not None else b"\x00" * HASH_BYTES)
     h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    h.update(_encode_key(tuple(extra_keys)))
+    h.update(_encode_key(tuple(extra_keys)) if extra_keys else _NO_KEYS)
     return h.digest()
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.block_table import DEVICE, HOST
-from kvstore.store import AllocResult, AppendResult, BlockStore, SwapResult
+from kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult
 from services.protocol import ProtocolError
 
-OPS = ("allocate", "append_slots", "mark_computed", "fork", "free", "swap_out", "swap_in")
+OPS = ("allocate", "append_slots", "append_tokens", "mark_computed", "fork", "free", "swap_out", "swap_in")
 
 
 class ReplayError(ProtocolError):
@@ -49,6 +49,8 @@ def encode_result(r: Any) -> Any:
     kind = type(r)
     if kind is AppendResult:
         return [r.ok, [[s, d] for s, d in r.copies]]
+    if kind is BatchAppendResult:
+        return [r.ok, [[i, s, d] for i, s, d in r.copies]]
     if kind is AllocResult:
         return [r.ok, r.num_cached_tokens]
     if kind is SwapResult:
@@ -64,7 +66,7 @@ _NO_COPIES = [True, []]  # the result of nearly every append: shared, never muta
 # Read-only methods, bound straight onto the wrapper: the scheduler calls some of them per sequence
 # per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
 _READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "can_swap_out",
-          "seq_ids", "block_table", "num_tokens", "location", "token_ids", "slot_mapping",
+          "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "location", "token_ids", "slot_mapping",
           "refcount", "evictable_blocks", "block_hash", "stats", "check_invariants")
 
 
@@ -114,6 +116,13 @@ class RecordingStore:
             # The store's own copy of the new tokens: already plain ints, and a slice is cheaper
             # than converting them again (this runs for every running sequence every step).
             self._ops.append(["append_slots", int(seq_id), self.store._seqs[seq_id].token_ids[-n:]])
+            self._results.append(encode_result(r) if r.copies else _NO_COPIES)
+        return r
+
+    def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> BatchAppendResult:
+        r = self.store.append_tokens(seq_ids, token_ids)
+        if r.ok and seq_ids:
+            self._ops.append(["append_tokens", list(seq_ids), [int(t) for t in token_ids]])
             self._results.append(encode_result(r) if r.copies else _NO_COPIES)
         return r
 
@@ -170,7 +179,7 @@ def apply_ops(store: BlockStore, ops: list) -> list:
             raise ReplicaDiverged(i, results, str(e)) from None
         if r is None:
             append(None)
-        elif type(r) is AppendResult and r.ok and not r.copies:
+        elif (type(r) is AppendResult or type(r) is BatchAppendResult) and r.ok and not r.copies:
             append(_NO_COPIES)
         else:
             append(encode_result(r))
@@ -239,13 +248,12 @@ def _arity(op: list, lo: int, hi: int) -> None:
 
 
 def _int_list(value: Any, what: str) -> list[int]:
-    if type(value) is list:
-        for x in value:   # a plain loop: most lists here hold one token
-            if type(x) is not int:
-                break
-        else:
-            return value
+    if type(value) is list and (len(value) == 1 and type(value[0]) is int or set(map(type, value)) <= _INT):
+        return value
     raise ReplayError(f"{what} must be a list of ints")
+
+
+_INT = frozenset({int})
 
 
 def _check_keys(keys: Any) -> None:
@@ -285,6 +293,18 @@ def _check_append(shadow: _Shadow, op: list) -> tuple:
     return op[1], op[2]
 
 
+def _check_append_tokens(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 2, 2)
+    ids, tokens = _int_list(op[1], "seq_ids"), _int_list(op[2], "token_ids")
+    if len(ids) != len(tokens):
+        raise ReplayError(f"{len(ids)} sequence ids but {len(tokens)} tokens")
+    if len(set(ids)) != len(ids):
+        raise ReplayError("duplicate sequence ids")
+    for seq_id in ids:
+        shadow.existing(seq_id, DEVICE)[1] += 1
+    return ids, tokens
+
+
 def _check_mark(shadow: _Shadow, op: list) -> tuple:
     if len(op) != 3:
         _arity(op, 2, 2)
@@ -322,7 +342,8 @@ def _swap_checker(src: str, dst: str):
     return check
 
 
-_CHECKS = {"allocate": _check_allocate, "append_slots": _check_append, "mark_computed": _check_mark,
+_CHECKS = {"allocate": _check_allocate, "append_slots": _check_append, "append_tokens": _check_append_tokens,
+           "mark_computed": _check_mark,
            "fork": _check_fork, "free": _check_free,
            "swap_out": _swap_checker(DEVICE, HOST), "swap_in": _swap_checker(HOST, DEVICE)}
 assert set(_CHECKS) == set(OPS)

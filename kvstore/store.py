@@ -46,6 +46,13 @@ class AppendResult:
 
 
 @dataclass
+class BatchAppendResult:
+    ok: bool
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, src_block, dst_block)
+    reason: str = ""
+
+
+@dataclass
 class SwapResult:
     ok: bool
     # swap_out: (device_block, host_block); swap_in: (host_block, device_block); one per distinct block
@@ -139,7 +146,9 @@ class BlockStore:
         """New device blocks that appending num_new_tokens to each of seq_ids (in any order) takes,
         copy-on-write copies included. A block shared by r tables of which w write: w copies when
         w < r, w - 1 when w == r (the last writer owns it by then)."""
-        tables = self._tables(seq_ids, DEVICE)
+        return self._blocks_needed(self._tables(seq_ids, DEVICE), num_new_tokens)
+
+    def _blocks_needed(self, tables: list[SequenceTable], num_new_tokens: int) -> int:
         if num_new_tokens <= 0:
             return 0
         # Called for every running request every step: plain loops, no Counter unless a written
@@ -147,6 +156,15 @@ class BlockStore:
         refcounts, bs = self._device._refcounts, self.block_size
         writers: Counter[int] | None = None
         new = 0
+        if num_new_tokens == 1:   # a decode step: one block to look at per table
+            for t in tables:
+                i, blocks = len(t.token_ids) // bs, t.blocks
+                if i >= len(blocks):
+                    new += 1
+                elif refcounts[blocks[i]] > 1:
+                    writers = writers if writers is not None else Counter()
+                    writers[blocks[i]] += 1
+            tables = ()
         for t in tables:
             n, blocks = len(t.token_ids), t.blocks
             lo, hi = n // bs, (n + num_new_tokens - 1) // bs + 1
@@ -197,6 +215,29 @@ class BlockStore:
         t.token_ids.extend([int(x) for x in token_ids])
         self._note_peak()
         return AppendResult(True, copies)
+
+    def append_tokens(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> BatchAppendResult:
+        """One token onto each of seq_ids, in order (a decode step's growth in one call): the same as
+        append_slots(seq_ids[i], [token_ids[i]]) for each i, but all or nothing — a shortage of
+        blocks for any of them fails the whole batch before anything changes."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"{len(seq_ids)} sequences but {len(token_ids)} tokens")
+        tables = self._tables(seq_ids, DEVICE)
+        need = self._blocks_needed(tables, 1)
+        if need > self._device.num_free:
+            return BatchAppendResult(False, [], f"needs {need} device blocks, {self._device.num_free} free")
+        bs, refcounts = self.block_size, self._device._refcounts
+        copies = []
+        for t, seq_id, token in zip(tables, seq_ids, token_ids):
+            n = len(t.token_ids)
+            if n % bs and refcounts[t.blocks[n // bs]] == 1:   # into a partly filled block it owns
+                t.token_ids.append(int(token))
+                continue
+            r = self.append_slots(seq_id, (token,))
+            if not r.ok:   # the count above said it fits: a mismatch is a bug, not a shortage
+                raise RuntimeError(f"append_tokens: sequence {seq_id} failed after the batch was counted: {r.reason}")
+            copies += [(seq_id, src, dst) for src, dst in r.copies]
+        return BatchAppendResult(True, copies)
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
         """K/V of the first num_computed_tokens tokens is written: key every full block below it."""
@@ -286,8 +327,17 @@ class BlockStore:
     def seq_ids(self) -> list[int]:
         return list(self._seqs)
 
+    def live_seq_ids(self):
+        """A live, read-only view of the sequence ids (set operations on it run in C)."""
+        return self._seqs.keys()
+
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._table(seq_id).blocks)
+
+    def block_table_view(self, seq_id: int) -> list[int]:
+        """The live table, uncopied (the per-step hot path): read it now, never change or keep it."""
+        t = self._seqs.get(seq_id)
+        return t.blocks if t is not None else self._table(seq_id).blocks
 
     def num_tokens(self, seq_id: int) -> int:
         t = self._seqs.get(seq_id)   # asked per sequence per step: skip _table's call when it exists

@@ -75,7 +75,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
     from services.sampling_params import SamplingParams
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
     from services.scheduler.stepper import WorkerView
-    from services.worker.worker_core import SampleResult
+    from services.protocol import SampleResult
 
     max_len = prompt_len + steps + 64
     num_blocks = num_seqs * (-(-max_len // BLOCK_SIZE)) + 8
@@ -104,7 +104,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             client._rpc.send(protocol.ApplyOps(step_no, ops))
             sent = time.perf_counter()
             protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.requests))
-            results = [SampleResult(r.seq_id, token_id=(r.seq_id * 7 + step_no) % 30000 + 10)
+            results = [SampleResult(r.seq_id, (r.seq_id * 7 + step_no) % 30000 + 10)
                        for wanted in scheduled.samples for r in wanted]
             t3 = time.perf_counter()
             reply = client._rpc.receive()

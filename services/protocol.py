@@ -296,7 +296,10 @@ def _build_columns(owner: type, name: str, cls: type, columns: dict) -> list:
         if type(col) is not list or len(col) != length or not check(col):
             raise ProtocolError(f"{owner.__name__}.{name}: bad column {n!r}")
     names = [n for n, _ in present]
-    return [cls(**dict(zip(names, row))) for row in zip(*(c for _, c in present))]
+    rows = zip(*(c for _, c in present))
+    if names == [n for n, *_ in specs[:len(names)]]:   # leading fields (always, from encode): positional
+        return [cls(*row) for row in rows]
+    return [cls(**dict(zip(names, row))) for row in rows]
 
 
 _SPECS: dict[type, list] = {}

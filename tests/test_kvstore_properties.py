@@ -162,6 +162,30 @@ class BlockStoreMachine(RuleBasedStateMachine):
             assert all(results) and free - self.store.num_free_device_blocks == need
 
     @rule(data=st.data())
+    def append_tokens(self, data):
+        """A decode step of many requests in one batched call: all of them or none of them, with
+        the same block count and copies as one append_slots per sequence."""
+        on_device = self.seqs_on("device")
+        if not on_device:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(on_device), min_size=1, max_size=len(on_device), unique=True))
+        tokens = [data.draw(st.integers(0, 2)) for _ in seqs]
+        need = self.store.append_blocks_needed(seqs, 1)
+        free = self.store.num_free_device_blocks
+        before = self.snapshot()
+        r = self.store.append_tokens(seqs, tokens)
+        assert r.ok == (need <= free)
+        if not r.ok:
+            assert self.snapshot() == before
+            return
+        assert free - self.store.num_free_device_blocks == need
+        assert len(r.copies) == self.store.stats()["cow_copies"] - before[4]["cow_copies"]
+        for seq, token in zip(seqs, tokens):
+            old = len(self.tokens[seq])
+            self.extend_kv(seq, [token])
+            self.write(seq, old, old + 1)
+
+    @rule(data=st.data())
     def mark_computed(self, data):
         if not self.seqs_on("device"):
             return

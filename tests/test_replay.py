@@ -56,7 +56,7 @@ class Driver:
 
     def random_op(self) -> None:
         rng, m = self.rng, self.mirror
-        kind = rng.choice(OPS + ("allocate", "append_slots", "bad"))
+        kind = rng.choice(OPS + ("allocate", "allocate", "append_slots", "bad"))
         if m.num_free_device_blocks < 4 and rng.random() < 0.4:
             kind = "free"   # keep memory churning, so the LRU evicts and the tail of a run is not all failures
         dev, host = self.seqs("device"), self.seqs("host")
@@ -68,6 +68,9 @@ class Driver:
                 self.written[seq_id] = r.num_cached_tokens
         elif kind == "append_slots" and dev:
             m.append_slots(rng.choice(dev), [rng.randrange(50) for _ in range(rng.randint(0, 3))])
+        elif kind == "append_tokens" and dev:   # a decode step's batch; forked blocks copy on write
+            ids = rng.sample(dev, rng.randint(1, min(4, len(dev))))
+            m.append_tokens(ids, [rng.randrange(50) for _ in ids])
         elif kind == "mark_computed" and dev:
             s = rng.choice(dev)
             m.mark_computed(s, rng.randint(0, self.written[s]))

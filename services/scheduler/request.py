@@ -31,6 +31,8 @@ class Sequence:
     top_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_token: int | None = None          # the EOS / stop token id that ended it, if any
+    # The scheduler's cached [SampleRequest] for this sequence (its token lists grow in place).
+    sample_requests: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

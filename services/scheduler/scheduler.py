@@ -19,6 +19,7 @@ beams, checks stops and frees what finished.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,6 +49,7 @@ class ScheduledStep:
     requests: list[Request] = field(default_factory=list)               # requests with work this step
     preempted: list[Request] = field(default_factory=list)
     pending_forks: dict[int, list[Sequence]] = field(default_factory=dict)   # parent seq id -> n-1 samples
+    step_requests: list[Request] = field(default_factory=list)   # the request of each entry of steps
 
     @property
     def is_empty(self) -> bool:
@@ -56,6 +58,9 @@ class ScheduledStep:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.computed)
+
+
+_ARRIVAL = operator.attrgetter("arrival_time")
 
 
 class SchedulerError(ValueError):
@@ -127,15 +132,52 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
         budget = [self.config.max_num_batched_tokens]
+        # The common case: every running sequence's next slot fits, so the whole step's growth is
+        # one batched append and no request needs its own check (that only matters when someone
+        # must be preempted).
+        if self._append_all_at_once():
+            for req in self.running:
+                self._add_compute(req, out, budget)
+        else:
+            self._schedule_running(out, budget)
+        num_running = len(self.running)
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        if len(self.running) != num_running:
+            # Oldest first, so that "newest first" preemption picks by arrival, not by re-admission.
+            self.running.sort(key=_ARRIVAL)
+        return out
+
+    def _append_all_at_once(self) -> bool:
+        """Give every running sequence the slot for its last sampled token in one store call;
+        False (and nothing appended) when they do not all fit, or one needs more than one token."""
+        ids, tokens = [], []
+        known = self.store.num_tokens
+        for req in self.running:
+            for seq in req.seqs:
+                n = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                have = known(seq.seq_id)
+                if have == n:
+                    continue
+                if have != n - 1:
+                    return False
+                ids.append(seq.seq_id)
+                tokens.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
+        if not ids:
+            return True
+        result = self.store.append_tokens(ids, tokens)
+        self.stats["cow_copies"] += len(result.copies)
+        return result.ok
+
+    def _schedule_running(self, out: ScheduledStep, budget: list[int]) -> None:
+        """Running requests one by one, FCFS, preempting the newest while one cannot grow."""
         running = deque(self.running)
         kept: list[Request] = []
-        # The common case: every running sequence's next slot fits at once, so no request needs
-        # its own check (a per-request check only matters when someone must be preempted).
-        grow = [s.seq_id for r in running for s in r.seqs if s.num_pending and self._to_append(s)]
-        everyone_fits = not grow or self.store.can_append(grow)
         while running:
             req = running.popleft()
-            while not everyone_fits and not self._can_grow(req):
+            while not self._can_grow(req):
                 victim = running.pop() if running else req
                 self._preempt(victim, out)
                 if victim is req:
@@ -144,13 +186,6 @@ class Scheduler:
                 self._schedule_request(req, out, budget)
                 kept.append(req)
         self.running = kept
-        if not out.preempted:
-            self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped:
-            self._schedule_waiting(out, budget)
-        # Oldest first, so that "newest first" preemption picks by arrival, not by re-admission.
-        self.running.sort(key=lambda r: r.arrival_time)
-        return out
 
     def _num_live_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
@@ -180,25 +215,25 @@ class Scheduler:
         Sequences of one request sample together (a beam step needs every beam's candidates), so
         a multi-sequence request being re-prefilled holds back each sequence's last token until
         all of them can finish in the same step."""
-        pending = [s.num_pending for s in req.seqs]
+        seqs = req.seqs
+        pending = [s.num_tokens - s.num_computed for s in seqs]
         total = sum(pending)
         if total == 0:
             return
         together = total <= budget[0]
-        for seq, n in zip(req.seqs, pending):
+        table = self.store.block_table_view
+        for seq, n in zip(seqs, pending):
             if n == 0:
                 continue
-            take = n if together else min(n - (1 if len(req.seqs) > 1 else 0), budget[0])
+            take = n if together else min(n - (1 if len(seqs) > 1 else 0), budget[0])
             if take <= 0:
                 continue
             budget[0] -= take
-            finishes = take == n
             start = seq.num_computed
-            step = SeqStep(seq.seq_id, seq.token_slice(start, start + take), start,
-                           self.store.block_table(seq.seq_id))
-            out.steps.append(step)
-            out.samples.append(self._sample_requests(req, seq, out) if finishes else [])
+            out.steps.append(SeqStep(seq.seq_id, seq.token_slice(start, start + take), start, table(seq.seq_id)))
+            out.samples.append(self._sample_requests(req, seq, out) if take == n else [])
             out.computed.append((seq, take))
+            out.step_requests.append(req)
         out.requests.append(req)
 
     def _sample_requests(self, req: Request, seq: Sequence, out: ScheduledStep) -> list[SampleRequest]:
@@ -206,14 +241,17 @@ class Scheduler:
         if req.beam is not None:
             return [SampleRequest(seq.seq_id, p, seq.prompt_token_ids, seq.output_token_ids, 0,
                                   beam_candidates=req.beam.candidates_per_beam)]
-        first = [SampleRequest(seq.seq_id, p, seq.prompt_token_ids, seq.output_token_ids, seq.seq_index)]
         if p.n > 1 and not req.forked:
             # The n samples share the prompt's blocks: forked after this step computes the prompt.
             children = [Sequence(next(self._seq_ids), req.prompt_token_ids, seq_index=i) for i in range(1, p.n)]
             out.pending_forks[seq.seq_id] = children
-            first += [SampleRequest(c.seq_id, p, c.prompt_token_ids, c.output_token_ids, c.seq_index)
-                      for c in children]
-        return first
+            return [SampleRequest(s.seq_id, p, s.prompt_token_ids, s.output_token_ids, s.seq_index)
+                    for s in [seq] + children]
+        # The same draw every step (its lists grow in place): built once per sequence.
+        if seq.sample_requests is None:
+            seq.sample_requests = [SampleRequest(seq.seq_id, p, seq.prompt_token_ids, seq.output_token_ids,
+                                                 seq.seq_index)]
+        return seq.sample_requests
 
     def _schedule_swapped(self, out: ScheduledStep, budget: list[int]) -> None:
         while self.swapped and budget[0] > 0:
@@ -323,24 +361,23 @@ class Scheduler:
     def update(self, scheduled: ScheduledStep, results: list[SampleResult]) -> list[Request]:
         """Apply the worker's results; return the requests that finished in this step."""
         now = self.clock()
+        bs, store = self.store.block_size, self.store
         for seq, n in scheduled.computed:
-            if seq.seq_id in self.store:   # not aborted meanwhile
+            if seq.seq_id in store:   # not aborted meanwhile
+                before = seq.num_computed
                 seq.num_computed += n
-                self.store.mark_computed(seq.seq_id, seq.num_computed)
+                # Only a step that fills a block gives the store something to key for prefix
+                # caching: skip the call otherwise (15 of 16 decode steps).
+                if before // bs != seq.num_computed // bs:
+                    store.mark_computed(seq.seq_id, seq.num_computed)
         by_seq = {r.seq_id: r for r in results}
         finished: list[Request] = []
         for req in scheduled.requests:
             if req.is_finished:
                 continue
             wanted = [s for s in req.seqs if s.seq_id in by_seq]
-            for parent_id, children in scheduled.pending_forks.items():
-                if any(s.seq_id == parent_id for s in wanted):
-                    for child in children:
-                        self.store.fork(parent_id, child.seq_id)
-                        child.num_computed = req.seqs[0].num_computed
-                        req.seqs.append(child)
-                        wanted.append(child)
-                    req.forked = True
+            if scheduled.pending_forks:
+                self._fork_samples(req, wanted, scheduled.pending_forks)
             if not wanted:
                 continue
             if req.first_token_time is None:
@@ -355,6 +392,17 @@ class Scheduler:
             if req.is_finished:
                 finished.append(req)
         return finished
+
+    def _fork_samples(self, req: Request, wanted: list[Sequence], pending_forks: dict) -> None:
+        """The prompt is computed: its n - 1 other samples share its blocks from now on."""
+        for parent_id, children in pending_forks.items():
+            if any(s.seq_id == parent_id for s in wanted):
+                for child in children:
+                    self.store.fork(parent_id, child.seq_id)
+                    child.num_computed = req.seqs[0].num_computed
+                    req.seqs.append(child)
+                    wanted.append(child)
+                req.forked = True
 
     def _append_token(self, req: Request, seq: Sequence, r: SampleResult) -> None:
         p = req.params
