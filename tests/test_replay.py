@@ -203,3 +203,13 @@ def test_a_replica_that_drifted_reports_where(pools):
     with pytest.raises(ReplicaDiverged) as e:
         apply_ops(store, ops)
     assert e.value.index == 1 and e.value.results == [[False, 0]]
+
+
+def test_the_scheduler_waits_for_the_kvstore_exactly_when_bytes_move():
+    from services.scheduler.service import _moves_bytes
+    no_copy = [True, []]
+    assert not _moves_bytes([["append_tokens", [1, 2], [5, 6]], ["append_slots", 3, [7]], ["free", 4]],
+                            [no_copy, no_copy, None])
+    assert _moves_bytes([["append_tokens", [1, 2], [5, 6]]], [[True, [[2, 8, 9]]]])   # copy-on-write
+    assert _moves_bytes([["append_slots", 3, [7]]], [[True, [[8, 9]]]])
+    assert _moves_bytes([["swap_in", [3]]], [[True, [[1, 2]]]])

@@ -132,6 +132,7 @@ class SchedulerService:
         self.owner: dict[str, bytes] = {}           # request id -> router identity
         self.workers_view, self.routers_view = WorkerView(), RouterView()
         self.step_no = 0
+        self.unpublished = None   # (requests, finished) of the last step, not yet sent to routers
         self.timing = StepTiming()
         self.ready = True
         self.broken: str | None = None   # set when the kvstore diverged: this replica cannot recover
@@ -173,6 +174,7 @@ class SchedulerService:
         if isinstance(msg, protocol.AddRequest):
             self._add(identity, msg)
         elif isinstance(msg, protocol.AbortRequest):
+            self.publish()   # the request's last tokens before its end
             self.core.abort(msg.request_id)
             self._flush_finished([self.core.requests[msg.request_id]] if msg.request_id in self.core.requests else [])
         elif isinstance(msg, protocol.GetStats):
@@ -218,7 +220,9 @@ class SchedulerService:
         try:
             if scheduled.steps:
                 request = self.workers_view.execute_step(self.step_no, scheduled, self.mirror, self.core.requests)
-                reply = self.worker.call(request)
+                self.worker.send(request)
+                self.publish()   # the last step's tokens go to the routers while the worker computes
+                reply = self.worker.receive()
                 if not isinstance(reply, protocol.StepResult) or reply.error:
                     raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
                 results = reply.results
@@ -227,18 +231,30 @@ class SchedulerService:
             t3 = time.perf_counter()
             if pending is not None:
                 self._check_ops(pending)
+        self.publish()   # (a step that reached no worker)
         finished = self.core.update(scheduled, results)
+        # Sent once the next step is on its way to the worker (or now, if there is none): the
+        # encoding overlaps the worker's compute instead of delaying its next step.
+        self.unpublished = (scheduled.requests, finished)
+        if not self.core.has_unfinished():
+            self.publish()
+            self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
+        self.timing.add(time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, worker_s)
+
+    def publish(self) -> None:
+        """Send the routers what the last step produced: one message per router, then the ends."""
+        if self.unpublished is None:
+            return
+        requests, finished = self.unpublished
+        self.unpublished = None
         batches: dict[bytes, list[protocol.RequestUpdate]] = {}
-        for req in scheduled.requests:
+        for req in requests:
             update = self.routers_view.update_for(req)
             if update is not None and req.request_id in self.owner:
                 batches.setdefault(self.owner[req.request_id], []).append(update)
-        for identity, updates in batches.items():   # one message per router per step
+        for identity, updates in batches.items():
             self._send(identity, protocol.RequestUpdates(updates))
         self._flush_finished(finished)
-        if not self.core.has_unfinished():
-            self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
-        self.timing.add(time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, worker_s)
 
     def _flush_finished(self, finished) -> None:
         for req in finished:
@@ -274,6 +290,7 @@ class SchedulerService:
 
     def fail_all(self, why: str) -> None:
         """A peer is gone: end every request with an error rather than leave routers waiting."""
+        self.publish()
         for request_id in list(self.owner):
             req = self.core.requests.get(request_id)
             if req is not None and not req.is_finished:
@@ -286,6 +303,7 @@ class SchedulerService:
         if now - self.last_beat < self.config.heartbeat_s:
             return
         self.last_beat = now
+        self.publish()
         self.timing.maybe_log(idle=not self.core.has_unfinished())
         self._sync_kvstore()     # aborts and frees made while idle
         ok = self.broken is None
@@ -316,7 +334,7 @@ class SchedulerService:
 
 def _moves_bytes(ops: list[list], results: list) -> bool:
     """Whether replaying these ops copies block bytes (swaps, or appends that copied on write)."""
-    return any(op[0] in ("swap_out", "swap_in") or (op[0] == "append_slots" and r[1])
+    return any(op[0] in ("swap_out", "swap_in") or (op[0] in ("append_slots", "append_tokens") and r[1])
                for op, r in zip(ops, results))
 
 
