@@ -8,7 +8,8 @@ answers each scheduled sample with a token at once. Per decode step it times:
              the scheduler process (services/scheduler/service.py)
   step       the whole control plane of a step, in the scheduler process's order: schedule, send
              the op log, build and encode the ExecuteStep (services.scheduler.stepper.WorkerView),
-             check the kvstore's reply, update with the fake results
+             check the kvstore's reply, decode the worker's StepResult, update, and build and encode
+             the routers' RequestUpdates (the fake worker's own encoding is not counted)
 and, to say where the time goes, the scheduler core alone (schedule + update) and the replay alone
 (apply_ops in this process on a pool-less replica, the kvstore's share of the exchange).
 
@@ -74,7 +75,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
     from services import protocol
     from services.sampling_params import SamplingParams
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from services.scheduler.stepper import WorkerView
+    from services.scheduler.stepper import RouterView, WorkerView
     from services.protocol import SampleResult
 
     max_len = prompt_len + steps + 64
@@ -93,7 +94,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
         params = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True, temperature=0.0)
         for i in range(num_seqs):
             sched.add_request(f"r{i}", [rng.randrange(10, 30000) for _ in range(prompt_len)], params)
-        view, t = WorkerView(), Timings(num_seqs)
+        view, routers, t = WorkerView(), RouterView(), Timings(num_seqs)
         for step_no in itertools.count(1):
             # In the order the scheduler process runs a decode step: the op log goes out, the
             # worker's step is built while the kvstore replays, then the reply is checked.
@@ -104,14 +105,23 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             client._rpc.send(protocol.ApplyOps(step_no, ops))
             sent = time.perf_counter()
             protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.requests))
-            results = [SampleResult(r.seq_id, (r.seq_id * 7 + step_no) % 30000 + 10)
-                       for wanted in scheduled.samples for r in wanted]
+            built = time.perf_counter()
+            # The worker's side, not timed: a token for every wanted sample, as StepResult frames.
+            frames = protocol.encode(protocol.StepResult(step_no, [
+                SampleResult(r.seq_id, (r.seq_id * 7 + step_no) % 30000 + 10)
+                for wanted in scheduled.samples for r in wanted]))
             t3 = time.perf_counter()
             reply = client._rpc.receive()
             if reply.results != expected or reply.error:
                 raise RuntimeError(f"step {step_no}: the kvstore diverged: {reply.error}")
             t2 = time.perf_counter()
+            results = protocol.decode(frames).results
+            t6 = time.perf_counter()
             sched.update(scheduled, results)
+            t5 = time.perf_counter()
+            # What the routers are sent: one RequestUpdates message (one router here).
+            protocol.encode(protocol.RequestUpdates(
+                [u for u in map(routers.update_for, scheduled.requests) if u is not None]))
             t4 = time.perf_counter()
             r0 = time.perf_counter()
             apply_ops(local, ops)
@@ -120,8 +130,8 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             if in_decode and step_no > 10:   # admitted, prefilled, and a few warm-up decode steps
                 t.ops_per_step.append(len(ops))
                 t.exchange.append((sent - t1) + (t2 - t3))   # what the step spends on the kvstore
-                t.step.append(t4 - t0)
-                t.core.append((t1 - t0) + (t4 - t2))
+                t.step.append((built - t0) + (t4 - t3))
+                t.core.append((t1 - t0) + (t5 - t6))
                 t.replay.append(r1 - r0)
                 if profile is not None and len(t.step) == 1:
                     profile.enable()

@@ -2,7 +2,8 @@
 
 Wire form (ZeroMQ multipart): frame 0 is a msgpack map {"v": VERSION, "t": type name, "b": body};
 numpy array fields travel as extra frames after it, uncopied, described in the body by
-{"__array__": frame index, "dtype", "shape"}. The per-sequence lists of a step (ExecuteStep.seqs,
+{"__array__": frame index, "dtype", "shape"}. Messages nested in a list (RequestUpdate,
+CompletionDelta) travel as rows, [value per field in declaration order]. The per-sequence lists of a step (ExecuteStep.seqs,
 StepResult.results) travel as columns, {field: [value per item]}: one list per field instead of one
 map per sequence, so both ends check and build them with a few C-level passes, not a Python loop
 over every field of every sequence (at 256 sequences that loop was most of the decode cost). `decode` checks the version, the type name and every
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-VERSION = 2   # 2: ExecuteStep.seqs and StepResult.results as columns
+VERSION = 2   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows
 
 
 class ProtocolError(ValueError):
@@ -221,13 +223,10 @@ def _to_wire(value: Any, frames: list) -> Any:
         frames.append(np.ascontiguousarray(value).data)
         return {"__array__": len(frames) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
     if type(value) is list and value and dataclasses.is_dataclass(value[0]):
-        names = _field_names(type(value[0]))
-        if type(value[0]) in _COLUMN_TYPES:
-            return {n: [getattr(v, n) for v in value] for n in names}
-        if not any(n in _NESTED for n in names):   # one flat dict each
-            return [{n: getattr(v, n) for n in names} for v in value]
-        return [{n: _to_wire(getattr(v, n), frames) if n in _NESTED else getattr(v, n) for n in names}
-                for v in value]
+        cls = type(value[0])
+        if cls in _COLUMN_TYPES:
+            return {n: [getattr(v, n) for v in value] for n in _field_names(cls)}
+        return list(map(_encoder(cls), value))
     if type(value) is tuple:
         return list(value)
     return value
@@ -266,16 +265,33 @@ def _build(cls: type, body: dict, frames: list) -> Any:
         if nested is not None and type(value) is dict:
             value = _build_columns(cls, name, nested, value)
         elif nested is not None:
-            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value) \
-                    or (value and nested in _COLUMN_TYPES):
+            if type(value) is not list or (value and nested in _COLUMN_TYPES) or not _only(value, _LIST):
                 _bad(cls, name, value)
-            value = [_build(nested, v, frames) for v in value]
+            value = [_build_row(nested, v) for v in value]
         elif not check(value):
             _bad(cls, name, value)
         kwargs[name] = value
     if len(body) > len(kwargs) and set(body) - {n for n, *_ in _field_specs(cls)}:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(body) - set(kwargs))}")
     return cls(**kwargs)
+
+
+def _build_row(cls: type, row: list) -> Any:
+    """[value per field, in declaration order] -> cls; trailing fields with defaults may be left out."""
+    specs = _field_specs(cls)
+    if len(row) > len(specs) or any(required for _, required, _, _ in specs[len(row):]):
+        raise ProtocolError(f"{cls.__name__}: {len(row)} values for {len(specs)} fields")
+    for value, (name, _, check, nested) in zip(row, specs):
+        if nested is not None:
+            if type(value) is not list or not _only(value, _LIST):
+                _bad(cls, name, value)
+        elif not check(value):
+            _bad(cls, name, value)
+    obj = cls(*row)
+    for name, _, _, nested in specs:
+        if nested is not None and name in _NESTED:
+            setattr(obj, name, [_build_row(nested, v) for v in getattr(obj, name)])
+    return obj
 
 
 def _build_columns(owner: type, name: str, cls: type, columns: dict) -> list:
@@ -325,17 +341,53 @@ def _only(values, types_: frozenset) -> bool:
     return set(map(type, values)) <= types_
 
 
+_SIMPLE = {int: _INT, float: _NUMBER, str: frozenset({str}), bool: frozenset({bool}),
+           type(None): frozenset({type(None)}), list: _LIST, dict: frozenset({dict})}
+
+
+def _exact_types(hint: Any) -> frozenset | None:
+    """The exact value types a field of this declared type may hold, when a set of types says it
+    all (int, float, str, bool, None, bare list or dict, and unions of them); else None."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [_exact_types(h) for h in typing.get_args(hint)]
+        return frozenset().union(*parts) if all(p is not None for p in parts) else None
+    return _SIMPLE.get(hint) if isinstance(hint, type) else None
+
+
 def _column_checker(hint: Any):
     """A predicate over a whole column of one field."""
-    if hint is int:
-        return lambda col: _only(col, _INT)
-    if hint is float:
-        return lambda col: _only(col, _NUMBER)
+    exact = _exact_types(hint)
+    if exact is not None:
+        return lambda col: _only(col, exact)
     if typing.get_origin(hint) is list and typing.get_args(hint) == (int,):
         return lambda col: _only(col, _LIST) and _only(itertools.chain.from_iterable(col), _INT)
     check = _checker(hint)
     return lambda col: all(map(check, col))
 _NAMES: dict[type, tuple[str, ...]] = {}
+
+
+_ENCODERS: dict[type, Any] = {}
+
+
+def _encoder(cls: type):
+    """A nested message -> its wire row [value per field, in declaration order], read by one C-level
+    attrgetter (built once per class). Rows, not maps: no key strings to pack and unpack per item."""
+    enc = _ENCODERS.get(cls)
+    if enc is None:
+        names = _field_names(cls)
+        get = operator.attrgetter(*names) if len(names) > 1 else (lambda o: (getattr(o, names[0]),))
+        nested = [i for i, n in enumerate(names) if n in _NESTED]
+
+        def enc(obj, get=get, nested=nested):
+            if not nested:
+                return get(obj)
+            row = list(get(obj))
+            for i in nested:
+                if row[i]:
+                    row[i] = list(map(_encoder(type(row[i][0])), row[i]))
+            return row
+        _ENCODERS[cls] = enc
+    return enc
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -372,6 +424,9 @@ def _from_wire(value: Any, frames: list) -> Any:
 
 def _checker(hint: Any):
     """A fast predicate for one declared field type (lists are checked element by element)."""
+    exact = _exact_types(hint)
+    if exact is not None:
+        return lambda v: type(v) in exact
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         parts = [_checker(h) for h in typing.get_args(hint)]

@@ -19,6 +19,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+_FINISHED = RequestStatus.FINISHED
+
+
 @dataclass
 class Sequence:
     seq_id: int
@@ -79,4 +82,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is _FINISHED

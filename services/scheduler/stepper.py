@@ -71,34 +71,40 @@ class RouterView:
 
     def update_for(self, req: Request) -> protocol.RequestUpdate | None:
         """The new tokens since the last update (None if nothing new); beams report only at the end."""
-        if req.beam is not None and not req.is_finished:
+        finished = req.is_finished
+        if req.beam is not None and not finished:
             return None
-        sent = self.sent.setdefault(req.request_id, {})
-        closed = self.closed.setdefault(req.request_id, set())
+        rid = req.request_id
+        sent = self.sent.get(rid)
+        if sent is None:
+            sent = self.sent[rid] = {}
+        closed = self.closed.get(rid, ())
         if req.beam is not None:
             choices = list(enumerate(req.finished[:req.params.n]))
         else:
-            choices = [(s.seq_index, s) for s in req.seqs + req.finished]
+            choices = [(s.seq_index, s) for s in req.seqs]
+            choices += [(s.seq_index, s) for s in req.finished]
+        want_top = req.params.logprobs is not None
         deltas = []
         for index, seq in choices:
             if index in closed:
                 continue
             n = sent.get(index, 0)
-            new = seq.output_token_ids[n:]
-            if not new and seq.finish_reason is None:
+            out = seq.output_token_ids
+            if len(out) == n and seq.finish_reason is None:
                 continue
-            sent[index] = len(seq.output_token_ids)
-            top = None
-            if req.params.logprobs is not None:
-                top = [[list(p) for p in t] if t else [] for t in seq.top_logprobs[n:]]
-            deltas.append(protocol.CompletionDelta(index, new, seq.logprobs[n:] if req.beam is None else [],
+            sent[index] = len(out)
+            top = [[list(p) for p in t] if t else [] for t in seq.top_logprobs[n:]] if want_top else None
+            deltas.append(protocol.CompletionDelta(index, out[n:], seq.logprobs[n:] if req.beam is None else [],
                                                    top, seq.finish_reason, seq.cum_logprob))
             if seq.finish_reason is not None:
+                if not closed:
+                    closed = self.closed[rid] = set()
                 closed.add(index)
-        if not deltas and not req.is_finished:
+        if not deltas and not finished:
             return None
-        if req.is_finished:
-            self.sent.pop(req.request_id, None)
-            self.closed.pop(req.request_id, None)
-        return protocol.RequestUpdate(req.request_id, deltas, req.is_finished, req.error,
-                                      len(req.prompt_token_ids), req.num_cached_tokens)
+        if finished:
+            self.sent.pop(rid, None)
+            self.closed.pop(rid, None)
+        return protocol.RequestUpdate(rid, deltas, finished, req.error, len(req.prompt_token_ids),
+                                      req.num_cached_tokens)
