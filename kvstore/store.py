@@ -222,7 +222,9 @@ class BlockStore:
         blocks for any of them fails the whole batch before anything changes."""
         if len(seq_ids) != len(token_ids):
             raise ValueError(f"{len(seq_ids)} sequences but {len(token_ids)} tokens")
-        tables = self._tables(seq_ids, DEVICE)
+        tables = list(map(self._seqs.get, seq_ids))   # the per-step hot path: checked in bulk below
+        if None in tables or any(t.location != DEVICE for t in tables) or len(set(seq_ids)) != len(seq_ids):
+            tables = self._tables(seq_ids, DEVICE)   # raises the right ValueError
         need = self._blocks_needed(tables, 1)
         if need > self._device.num_free:
             return BatchAppendResult(False, [], f"needs {need} device blocks, {self._device.num_free} free")

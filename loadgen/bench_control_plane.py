@@ -120,8 +120,11 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             sched.update(scheduled, results)
             t5 = time.perf_counter()
             # What the routers are sent: one RequestUpdates message (one router here).
-            protocol.encode(protocol.RequestUpdates(
-                [u for u in map(routers.update_for, scheduled.requests) if u is not None]))
+            batch = protocol.RequestUpdates([])
+            for u in map(routers.update_for, scheduled.requests):
+                if u is not None:
+                    (batch.tokens if type(u) is protocol.TokenDelta else batch.updates).append(u)
+            protocol.encode(batch)
             t4 = time.perf_counter()
             r0 = time.perf_counter()
             apply_ops(local, ops)

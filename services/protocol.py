@@ -4,7 +4,7 @@ Wire form (ZeroMQ multipart): frame 0 is a msgpack map {"v": VERSION, "t": type 
 numpy array fields travel as extra frames after it, uncopied, described in the body by
 {"__array__": frame index, "dtype", "shape"}. Messages nested in a list (RequestUpdate,
 CompletionDelta) travel as rows, [value per field in declaration order]. The per-sequence lists of a step (ExecuteStep.seqs,
-StepResult.results) travel as columns, {field: [value per item]}: one list per field instead of one
+StepResult.results, RequestUpdates.tokens) travel as columns, {field: [value per item]}: one list per field instead of one
 map per sequence, so both ends check and build them with a few C-level passes, not a Python loop
 over every field of every sequence (at 256 sequences that loop was most of the decode cost). `decode` checks the version, the type name and every
 field's type, and raises ProtocolError for anything else — loops log it, answer with an Error
@@ -94,10 +94,23 @@ class RequestUpdate:
     num_cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class TokenDelta:
+    """The update of nearly every request in nearly every step, sent as columns: one new token for
+    the only choice (index 0) of a request still running, without top logprobs. The router reads it
+    as RequestUpdate(request_id, [CompletionDelta(0, [token_id], [logprob], None, None,
+    cumulative_logprob)])."""
+    request_id: str
+    token_id: int
+    logprob: float = 0.0
+    cumulative_logprob: float = 0.0
+
+
 @dataclass
 class RequestUpdates:
-    """All of one step's updates for one router, in one message."""
+    """All of one step's updates for one router, in one message; a request is in one list or the other."""
     updates: list[RequestUpdate]
+    tokens: list[TokenDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -152,7 +165,7 @@ class ApplyOpsReply:
     error: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqWork:
     """One sequence's share of a step, as the worker needs it."""
     seq_id: int
@@ -178,7 +191,7 @@ class ExecuteStep:
     histories: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleResult:
     """One draw from a step's logits (the worker's answer for one wanted sample)."""
     seq_id: int
@@ -200,7 +213,8 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, RequestUpdates, GetStats, StatsReply,
     GetPoolInfo, PoolInfo, ResetStore, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
 _NESTED = {"outputs": CompletionDelta, "updates": RequestUpdate}
-_COLUMNS = {(ExecuteStep, "seqs"): SeqWork, (StepResult, "results"): SampleResult}   # sent as columns
+_COLUMNS = {(ExecuteStep, "seqs"): SeqWork, (StepResult, "results"): SampleResult,   # sent as columns
+            (RequestUpdates, "tokens"): TokenDelta}
 
 
 # ---- encoding ----------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ def test_every_message_round_trips():
                                     True, None, 7, 0)
     for msg in (protocol.Ping("a", 1.5), protocol.Error("bad", 422, param="n"),
                 protocol.AddRequest("r1", [1, 2, 3], {"n": 2}), protocol.RequestUpdates([update]),
+                protocol.RequestUpdates([update], [protocol.TokenDelta("r2", 9, -0.5, -2.0),
+                                                   protocol.TokenDelta("r3", 4, 0, -1.0)]),
                 protocol.ApplyOps(3, [["append_tokens", [1, 2], [5, 6]], ["free", 4]]),
                 protocol.ApplyOpsReply(3, [[True, 0], None]),
                 protocol.ExecuteStep(1, seqs, {3: [0, 11]}, [2], {"k": {"n": 2}}, ["old"], {9: [[1], [2]]}),

@@ -153,6 +153,11 @@ class SchedulerClient:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, protocol.RequestUpdates):
+            for t in msg.tokens:
+                queue = self.subscribers.get(t.request_id)
+                if queue is not None:
+                    queue.put_nowait(protocol.RequestUpdate(t.request_id, [protocol.CompletionDelta(
+                        0, [t.token_id], [t.logprob], None, None, t.cumulative_logprob)]))
             for update in msg.updates:
                 self._dispatch(update)
             return

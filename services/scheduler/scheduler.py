@@ -216,8 +216,13 @@ class Scheduler:
         a multi-sequence request being re-prefilled holds back each sequence's last token until
         all of them can finish in the same step."""
         seqs = req.seqs
-        pending = [s.num_tokens - s.num_computed for s in seqs]
-        total = sum(pending)
+        if len(seqs) == 1:
+            seq = seqs[0]
+            pending = [len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed]
+            total = pending[0]
+        else:
+            pending = [s.num_tokens - s.num_computed for s in seqs]
+            total = sum(pending)
         if total == 0:
             return
         together = total <= budget[0]
@@ -231,7 +236,10 @@ class Scheduler:
             budget[0] -= take
             start = seq.num_computed
             out.steps.append(SeqStep(seq.seq_id, seq.token_slice(start, start + take), start, table(seq.seq_id)))
-            out.samples.append(self._sample_requests(req, seq, out) if take == n else [])
+            if take != n:
+                out.samples.append([])
+            else:   # the cached draw when there is one (set only where it stays valid: see below)
+                out.samples.append(seq.sample_requests or self._sample_requests(req, seq, out))
             out.computed.append((seq, take))
             out.step_requests.append(req)
         out.requests.append(req)
@@ -247,7 +255,8 @@ class Scheduler:
             out.pending_forks[seq.seq_id] = children
             return [SampleRequest(s.seq_id, p, s.prompt_token_ids, s.output_token_ids, s.seq_index)
                     for s in [seq] + children]
-        # The same draw every step (its lists grow in place): built once per sequence.
+        # The same draw every step (its lists grow in place): built once per sequence, never for
+        # a beam (new Sequences every step) or a prompt whose samples are not forked yet.
         if seq.sample_requests is None:
             seq.sample_requests = [SampleRequest(seq.seq_id, p, seq.prompt_token_ids, seq.output_token_ids,
                                                  seq.seq_index)]
@@ -362,8 +371,9 @@ class Scheduler:
         """Apply the worker's results; return the requests that finished in this step."""
         now = self.clock()
         bs, store = self.store.block_size, self.store
+        live = store.live_seq_ids()
         for seq, n in scheduled.computed:
-            if seq.seq_id in store:   # not aborted meanwhile
+            if seq.seq_id in live:   # not aborted meanwhile
                 before = seq.num_computed
                 seq.num_computed += n
                 # Only a step that fills a block gives the store something to key for prefix

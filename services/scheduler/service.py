@@ -247,13 +247,19 @@ class SchedulerService:
             return
         requests, finished = self.unpublished
         self.unpublished = None
-        batches: dict[bytes, list[protocol.RequestUpdate]] = {}
+        batches: dict[bytes, protocol.RequestUpdates] = {}
+        owner, update_for = self.owner, self.routers_view.update_for
         for req in requests:
-            update = self.routers_view.update_for(req)
-            if update is not None and req.request_id in self.owner:
-                batches.setdefault(self.owner[req.request_id], []).append(update)
-        for identity, updates in batches.items():
-            self._send(identity, protocol.RequestUpdates(updates))
+            update = update_for(req)
+            identity = owner.get(req.request_id)
+            if update is None or identity is None:
+                continue
+            batch = batches.get(identity)
+            if batch is None:
+                batch = batches[identity] = protocol.RequestUpdates([])
+            (batch.tokens if type(update) is protocol.TokenDelta else batch.updates).append(update)
+        for identity, batch in batches.items():
+            self._send(identity, batch)
         self._flush_finished(finished)
 
     def _flush_finished(self, finished) -> None:

@@ -69,8 +69,9 @@ class RouterView:
         self.sent: dict[str, dict[int, int]] = {}
         self.closed: dict[str, set[int]] = {}
 
-    def update_for(self, req: Request) -> protocol.RequestUpdate | None:
-        """The new tokens since the last update (None if nothing new); beams report only at the end."""
+    def update_for(self, req: Request) -> protocol.RequestUpdate | protocol.TokenDelta | None:
+        """The new tokens since the last update (None if nothing new); beams report only at the end.
+        The common case, one new token for a single running choice, comes as a TokenDelta."""
         finished = req.is_finished
         if req.beam is not None and not finished:
             return None
@@ -78,6 +79,12 @@ class RouterView:
         sent = self.sent.get(rid)
         if sent is None:
             sent = self.sent[rid] = {}
+        if not finished and len(req.seqs) == 1 and not req.finished and req.params.logprobs is None:
+            seq = req.seqs[0]
+            out = seq.output_token_ids
+            if seq.seq_index == 0 and len(out) == sent.get(0, 0) + 1:
+                sent[0] = len(out)
+                return protocol.TokenDelta(rid, out[-1], seq.logprobs[-1], seq.cum_logprob)
         closed = self.closed.get(rid, ())
         if req.beam is not None:
             choices = list(enumerate(req.finished[:req.params.n]))

@@ -13,7 +13,7 @@ from services.worker.attn_metadata import AttentionMetadata
 from services.worker.model_loader import ModelSpec
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqStep:
     """One sequence's share of a step."""
     seq_id: int

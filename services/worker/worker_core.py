@@ -15,7 +15,7 @@ from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.sampler import SamplingRow, sample, top_logprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRequest:
     """One token to draw from a step's logits row (a row can serve several: the n samples of a prompt)."""
     seq_id: int
