@@ -55,6 +55,8 @@ def run_to_end(sock: zmq.Socket, request_id: str, max_tokens: int) -> list[int]:
     while True:
         assert sock.poll(60000), "no answer"
         msg = protocol.decode(sock.recv_multipart())
+        if isinstance(msg, protocol.RequestUpdates):   # single new tokens come as columns
+            tokens += [t.token_id for t in msg.tokens if t.request_id == request_id]
         for u in msg.updates if isinstance(msg, protocol.RequestUpdates) else [msg]:
             if isinstance(u, protocol.RequestUpdate) and u.request_id == request_id:
                 assert not u.error, u.error

@@ -100,3 +100,43 @@ def test_pick_replica_prefers_the_cached_prefix_while_loads_are_close():
     assert pick_replica(reps, {"r0": 5, "r1": 0, "r2": 3, "r3": 9}, None).id == "r1"
     with pytest.raises(ValueError):
         pick_replica([], {}, None)
+
+
+def test_a_buffered_subscriber_gets_one_merged_update_at_the_end():
+    import asyncio
+    from services import protocol
+    from services.router.scheduler_client import Buffered, SchedulerClient
+    client = SchedulerClient("tcp://127.0.0.1:1", "r0", ctx=None)
+    queue: asyncio.Queue = asyncio.Queue()
+    client.subscribe("a", queue, buffered=True)
+    client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 5, -0.5, -0.5)]))
+    client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 6, -0.25, -0.75)]))
+    assert queue.empty()
+    client._dispatch(protocol.RequestUpdates([protocol.RequestUpdate("a", [
+        protocol.CompletionDelta(0, [7], [-1.0], [[[7, -1.0], [2, -3.0]]], None, -1.75),
+        protocol.CompletionDelta(1, [9], [-2.0], None, None, -2.0)], num_cached_tokens=16)]))
+    assert queue.empty()
+    client._dispatch(protocol.RequestUpdate("a", [protocol.CompletionDelta(0, [8], [-0.5], None, "length", -2.25),
+                                                  protocol.CompletionDelta(1, [], [], None, "stop", -2.0)],
+                                            True, None, 4, 0))
+    msg = queue.get_nowait()
+    assert isinstance(msg, Buffered) and queue.empty() and "a" not in client.subscribers
+    zero, one = msg.update.outputs
+    assert zero.token_ids == [5, 6, 7, 8] and zero.logprobs == [-0.5, -0.25, -1.0, -0.5]
+    assert zero.top_logprobs == [[], [], [[7, -1.0], [2, -3.0]], []]       # padded where none came
+    assert (zero.finish_reason, zero.cumulative_logprob) == ("length", -2.25)
+    assert one.token_ids == [9] and one.finish_reason == "stop"
+    assert msg.update.finished and msg.update.num_prompt_tokens == 4 and msg.update.num_cached_tokens == 16
+    assert msg.first_token_at <= msg.last_token_at
+
+
+def test_errors_reach_a_buffered_subscriber_at_once():
+    import asyncio
+    from services import protocol
+    from services.router.scheduler_client import SchedulerClient
+    client = SchedulerClient("tcp://127.0.0.1:1", "r0", ctx=None)
+    queue: asyncio.Queue = asyncio.Queue()
+    client.subscribe("a", queue, buffered=True)
+    client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 5)]))
+    client._dispatch(protocol.Error("no room", 400, request_id="a"))
+    assert isinstance(queue.get_nowait(), protocol.Error) and "a" not in client.merging

@@ -31,7 +31,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
     params, n = sampling_params(req, max_tokens=max_tokens,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     request_id = ctx.new_request_id(request, "chatcmpl")
-    gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat")
+    gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
+                     stream=bool(req.stream))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None)

@@ -28,7 +28,8 @@ async def create_completion(ctx: "RouterContext", request):
     ctx.check_length(longest, max_tokens, "prompt")
     params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
     request_id = ctx.new_request_id(request, "cmpl")
-    gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion")
+    gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
+                     stream=bool(req.stream))
     await gen.start()
     echo = [ctx.decode(p, params.skip_special_tokens) for p in prompts] if req.echo else None
     fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo)

@@ -15,7 +15,7 @@ from services import protocol
 from services.router.choices import ChoiceEvent, ChoiceState
 from services.router.detokenizer import IncrementalDetokenizer
 from services.router.errors import APIError
-from services.router.scheduler_client import Failure, SchedulerUnavailable
+from services.router.scheduler_client import Buffered, Failure, SchedulerUnavailable
 from services.router.stop_strings import StopStrings
 from services.sampling_params import SamplingParams
 
@@ -35,8 +35,13 @@ class _Disconnected:
 
 class Generation:
     def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, include_stop_str: bool = False, kind: str = "completion"):
+                 params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
+                 stream: bool = True):
         self.ctx = ctx
+        # Nobody reads a non-streamed request's text before its end, and without stop strings
+        # nothing in it can end the request early: its updates are merged by the scheduler client
+        # and applied once, instead of waking this request's task every step.
+        self.buffered = not stream and not params.stop
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -80,7 +85,7 @@ class Generation:
         wire = self.params.to_dict()
         try:
             for bid, ids in zip(self.backend_ids, self.prompts):
-                client.subscribe(bid, self.queue)
+                client.subscribe(bid, self.queue, buffered=self.buffered)
                 await client.add(protocol.AddRequest(bid, ids, wire, time.time()))
         except SchedulerUnavailable as e:
             self.close(APIError(503, str(e)))
@@ -99,9 +104,13 @@ class Generation:
                 raise self._fail(APIError(msg.status, msg.message))
             if isinstance(msg, protocol.Error):
                 raise self._fail(APIError(msg.code if 400 <= msg.code < 600 else 500, msg.message, msg.param))
-            yield self._apply(msg)
+            if isinstance(msg, Buffered):
+                yield self._apply(msg.update, msg.first_token_at, msg.last_token_at)
+            else:
+                yield self._apply(msg)
 
-    def _apply(self, update: protocol.RequestUpdate) -> list[ChoiceEvent]:
+    def _apply(self, update: protocol.RequestUpdate, first_at: float | None = None,
+               last_at: float | None = None) -> list[ChoiceEvent]:
         try:
             p = self.backend_ids.index(update.request_id)
         except ValueError:
@@ -109,6 +118,9 @@ class Generation:
         if update.error:
             raise self._fail(APIError(503, f"the engine failed the request: {update.error}"))
         now = time.monotonic()
+        merged = first_at is not None
+        if merged:   # its tokens arrived from first_at to last_at
+            self._observe_span(first_at, last_at, max((len(d.token_ids) for d in update.outputs), default=0))
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         choices = self.choices[p]
         events = []
@@ -119,7 +131,7 @@ class Generation:
             event = choices[delta.index].apply(delta)
             new_tokens = max(new_tokens, event.num_new_tokens)
             events.append(event)
-        if new_tokens:
+        if new_tokens and not merged:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.ctx.metrics.ttft.observe(now - self.arrival)
@@ -134,6 +146,17 @@ class Generation:
             self.done.add(p)
             self.client.abort_soon(self.backend_ids[p])
         return events
+
+    def _observe_span(self, first_at: float, last_at: float, num_tokens: int) -> None:
+        """TTFT and inter-token latency of tokens that arrived merged, as if applied one by one."""
+        if self.first_token_at is None:
+            self.first_token_at = first_at
+            self.ctx.metrics.ttft.observe(first_at - self.arrival)
+        if num_tokens > 1:
+            itl = (last_at - first_at) / (num_tokens - 1)
+            for _ in range(num_tokens - 1):
+                self.ctx.metrics.itl.observe(itl)
+        self.last_token_at = last_at
 
     def _fail(self, error: APIError) -> APIError:
         self.abort()

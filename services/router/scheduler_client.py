@@ -1,7 +1,8 @@
 """The router's connection to one scheduler: a zmq.asyncio DEALER whose identity is the router id.
 
 Owns the socket, a receive loop that hands each RequestUpdate / Error to the asyncio queue
-subscribed under its request id, and a heartbeat: a Ping every `ping_interval_s`. A scheduler not
+subscribed under its request id (or, for a buffered subscriber, merges the updates and hands over
+one Buffered at the end), and a heartbeat: a Ping every `ping_interval_s`. A scheduler not
 heard from (any message counts) for `dead_after_s` is declared dead: every subscribed request gets
 a Failure(503) in its queue and new requests are refused with 503, so nothing hangs.
 """
@@ -28,6 +29,65 @@ class Failure:
     message: str
 
 
+@dataclass
+class Buffered:
+    """A whole request's updates merged into one, for a subscriber that only wants the end (a
+    non-streamed request without stop strings): its task wakes once, not once per step."""
+    update: protocol.RequestUpdate
+    first_token_at: float | None      # when its first token arrived (the TTFT), monotonic
+    last_token_at: float | None
+
+
+class _Merge:
+    """Collects one request's deltas, per choice, until its final update."""
+
+    def __init__(self):
+        self.outputs: dict[int, protocol.CompletionDelta] = {}
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_cached_tokens = 0
+
+    def delta(self, index: int) -> protocol.CompletionDelta:
+        d = self.outputs.get(index)
+        if d is None:
+            d = self.outputs[index] = protocol.CompletionDelta(index, [], [])
+        return d
+
+    def stamp(self) -> None:
+        self.last_token_at = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = self.last_token_at
+
+    def add_token(self, t: protocol.TokenDelta) -> None:
+        d = self.delta(0)
+        d.token_ids.append(t.token_id)
+        d.logprobs.append(t.logprob)
+        d.cumulative_logprob = t.cumulative_logprob
+        self.stamp()
+
+    def add(self, update: protocol.RequestUpdate) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        for new in update.outputs:
+            d = self.delta(new.index)
+            if new.token_ids:
+                self.stamp()
+            if new.top_logprobs is not None:   # per token: pad the tokens that came without
+                d.top_logprobs = (d.top_logprobs or [[] for _ in d.token_ids]) + new.top_logprobs
+            elif d.top_logprobs is not None:
+                d.top_logprobs += [[] for _ in new.token_ids]
+            d.token_ids += new.token_ids
+            d.logprobs += new.logprobs
+            d.finish_reason = new.finish_reason or d.finish_reason
+            d.cumulative_logprob = new.cumulative_logprob
+
+    def result(self, final: protocol.RequestUpdate) -> Buffered:
+        self.add(final)
+        merged = protocol.RequestUpdate(final.request_id, [self.outputs[i] for i in sorted(self.outputs)],
+                                        final.finished, final.error, final.num_prompt_tokens,
+                                        self.num_cached_tokens)
+        return Buffered(merged, self.first_token_at, self.last_token_at)
+
+
 class SchedulerUnavailable(RuntimeError):
     """A message could not be handed to the scheduler (no connection)."""
 
@@ -41,6 +101,7 @@ class SchedulerClient:
         self.ping_interval_s = ping_interval_s
         self.dead_after_s = dead_after_s
         self.subscribers: dict[str, asyncio.Queue] = {}
+        self.merging: dict[str, _Merge] = {}  # buffered subscribers: their updates so far
         self.last_heard = time.monotonic()    # a grace period from start: the scheduler may be starting
         self.last_pong: protocol.Pong | None = None
         self.dead = False
@@ -83,11 +144,16 @@ class SchedulerClient:
         return self.alive and self.last_pong is not None and self.last_pong.ready
 
     # ---- requests ------------------------------------------------------------------------------
-    def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
+    def subscribe(self, request_id: str, queue: asyncio.Queue, buffered: bool = False) -> None:
+        """Updates for request_id go to queue: each as it comes, or (buffered) merged into one
+        Buffered at the end; errors and failures always at once."""
         self.subscribers[request_id] = queue
+        if buffered:
+            self.merging[request_id] = _Merge()
 
     def unsubscribe(self, request_id: str) -> None:
         self.subscribers.pop(request_id, None)
+        self.merging.pop(request_id, None)
 
     async def add(self, msg: protocol.AddRequest) -> None:
         await self._send(msg)
@@ -153,7 +219,12 @@ class SchedulerClient:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, protocol.RequestUpdates):
+            merging = self.merging
             for t in msg.tokens:
+                merge = merging.get(t.request_id)
+                if merge is not None:
+                    merge.add_token(t)
+                    continue
                 queue = self.subscribers.get(t.request_id)
                 if queue is not None:
                     queue.put_nowait(protocol.RequestUpdate(t.request_id, [protocol.CompletionDelta(
@@ -163,10 +234,17 @@ class SchedulerClient:
             return
         if isinstance(msg, (protocol.RequestUpdate, protocol.Error)) and msg.request_id is not None:
             queue = self.subscribers.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
-                if isinstance(msg, protocol.Error) or msg.finished:
-                    self.unsubscribe(msg.request_id)
+            if queue is None:
+                return
+            merge = self.merging.get(msg.request_id)
+            if merge is not None and isinstance(msg, protocol.RequestUpdate):
+                if not msg.finished:
+                    merge.add(msg)
+                    return
+                msg = merge.result(msg)
+            queue.put_nowait(msg)
+            if isinstance(msg, protocol.Error) or isinstance(msg, Buffered) or msg.finished:
+                self.unsubscribe(msg.request_id if not isinstance(msg, Buffered) else msg.update.request_id)
         elif isinstance(msg, protocol.Pong):
             self.last_pong = msg
             waiters, self._ping_waiters = self._ping_waiters, []
