@@ -239,7 +239,7 @@ def _to_wire(value: Any, frames: list) -> Any:
     if type(value) is list and value and dataclasses.is_dataclass(value[0]):
         cls = type(value[0])
         if cls in _COLUMN_TYPES:
-            return {n: [getattr(v, n) for v in value] for n in _field_names(cls)}
+            return {n: list(map(get, value)) for n, get in _column_getters(cls)}
         return list(map(_encoder(cls), value))
     if type(value) is tuple:
         return list(value)
@@ -378,6 +378,16 @@ def _column_checker(hint: Any):
     check = _checker(hint)
     return lambda col: all(map(check, col))
 _NAMES: dict[type, tuple[str, ...]] = {}
+
+
+_GETTERS: dict[type, list] = {}
+
+
+def _column_getters(cls: type) -> list:
+    getters = _GETTERS.get(cls)
+    if getters is None:
+        getters = _GETTERS[cls] = [(n, operator.attrgetter(n)) for n in _field_names(cls)]
+    return getters
 
 
 _ENCODERS: dict[type, Any] = {}
