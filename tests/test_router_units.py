@@ -140,3 +140,15 @@ def test_errors_reach_a_buffered_subscriber_at_once():
     client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 5)]))
     client._dispatch(protocol.Error("no room", 400, request_id="a"))
     assert isinstance(queue.get_nowait(), protocol.Error) and "a" not in client.merging
+
+
+def test_a_dead_scheduler_fails_buffered_subscribers_and_forgets_their_updates():
+    import asyncio
+    from services import protocol
+    from services.router.scheduler_client import Failure, SchedulerClient
+    client = SchedulerClient("tcp://127.0.0.1:1", "r0", ctx=None)
+    queue: asyncio.Queue = asyncio.Queue()
+    client.subscribe("a", queue, buffered=True)
+    client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 5)]))
+    client._fail_all(503, "gone")
+    assert isinstance(queue.get_nowait(), Failure) and not client.merging and not client.subscribers

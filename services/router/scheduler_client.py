@@ -275,6 +275,6 @@ class SchedulerClient:
                 self._fail_all(503, f"the engine at {self.endpoint} stopped answering")
 
     def _fail_all(self, status: int, message: str) -> None:
-        subscribers, self.subscribers = self.subscribers, {}
+        subscribers, self.subscribers, self.merging = self.subscribers, {}, {}
         for queue in subscribers.values():
             queue.put_nowait(Failure(status, message))
