@@ -140,6 +140,18 @@ def test_prefix_cache_hits_three_blocks(make_engine):
     assert engine.stats()["prefix_hit_tokens"] - before == 32
 
 
+def test_blocks_filled_while_decoding_are_found_again(make_engine):
+    """A follow-up turn (prompt + the answer so far) hits the blocks the answer filled in decode:
+    the scheduler keys a block when a step fills it, not only after a prefill."""
+    engine = make_engine(num_device_blocks=64, block_size=16)
+    prompt = list(range(100, 140))                                   # 40 tokens
+    first = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    follow_up = prompt + first.outputs[0].token_ids                  # 80 tokens, 79 of them computed
+    before = engine.stats()["prefix_hit_tokens"]
+    engine.generate([follow_up], SamplingParams(max_tokens=2, temperature=0))
+    assert engine.stats()["prefix_hit_tokens"] - before == 64       # 4 full blocks, 2 filled in decode
+
+
 def test_prefix_caching_on_off_same_output(make_engine):
     shared = "You are a helpful assistant that writes Python code carefully and explains it. " * 2
     prompts = [shared + p for p in PROMPTS[:8]]
