@@ -66,7 +66,7 @@ _NO_COPIES = [True, []]  # the result of nearly every append: shared, never muta
 # Read-only methods, bound straight onto the wrapper: the scheduler calls some of them per sequence
 # per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
 _READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "can_swap_out",
-          "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "location", "token_ids", "slot_mapping",
+          "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "num_tokens_of", "location", "token_ids", "slot_mapping",
           "refcount", "evictable_blocks", "block_hash", "stats", "check_invariants")
 
 
@@ -122,7 +122,7 @@ class RecordingStore:
     def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> BatchAppendResult:
         r = self.store.append_tokens(seq_ids, token_ids)
         if r.ok and seq_ids:
-            self._ops.append(["append_tokens", list(seq_ids), [int(t) for t in token_ids]])
+            self._ops.append(["append_tokens", list(seq_ids), list(map(int, token_ids))])
             self._results.append(encode_result(r) if r.copies else _NO_COPIES)
         return r
 

@@ -95,6 +95,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
         for i in range(num_seqs):
             sched.add_request(f"r{i}", [rng.randrange(10, 30000) for _ in range(prompt_len)], params)
         view, routers, t = WorkerView(), RouterView(), Timings(num_seqs)
+        owner = {f"r{i}": b"router-0" for i in range(num_seqs)}   # one router owns every request
         for step_no in itertools.count(1):
             # In the order the scheduler process runs a decode step: the op log goes out, the
             # worker's step is built while the kvstore replays, then the reply is checked.
@@ -120,11 +121,8 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             sched.update(scheduled, results)
             t5 = time.perf_counter()
             # What the routers are sent: one RequestUpdates message (one router here).
-            batch = protocol.RequestUpdates([])
-            for u in map(routers.update_for, scheduled.requests):
-                if u is not None:
-                    (batch.tokens if type(u) is protocol.TokenDelta else batch.updates).append(u)
-            protocol.encode(batch)
+            for batch in routers.updates_for(scheduled.requests, owner).values():
+                protocol.encode(batch)
             t4 = time.perf_counter()
             r0 = time.perf_counter()
             apply_ops(local, ops)

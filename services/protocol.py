@@ -217,6 +217,23 @@ _COLUMNS = {(ExecuteStep, "seqs"): SeqWork, (StepResult, "results"): SampleResul
             (RequestUpdates, "tokens"): TokenDelta}
 
 
+class Columns:
+    """A list of `cls` items held as columns, {field: [value per item]}, by a sender that builds
+    them that way (no item objects): it encodes exactly as the list of items would, and the
+    receiver decodes a list of cls. Only for the column fields (_COLUMNS)."""
+    __slots__ = ("cls", "columns")
+
+    def __init__(self, cls: type, columns: dict[str, list]):
+        self.cls, self.columns = cls, columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()), ()))
+
+    def items(self) -> list:
+        names = list(self.columns)
+        return [self.cls(**dict(zip(names, row))) for row in zip(*self.columns.values())]
+
+
 # ---- encoding ----------------------------------------------------------------------------------
 
 def encode(msg: Any) -> list[bytes]:
@@ -233,6 +250,8 @@ def encode(msg: Any) -> list[bytes]:
 def _to_wire(value: Any, frames: list) -> Any:
     # Arrays may stand only as top-level fields; nested messages only in the _NESTED lists.
     # Everything else is handed to msgpack as it is (no per-element walk: this is the hot path).
+    if type(value) is Columns:
+        return value.columns if len(value) else []
     if isinstance(value, np.ndarray):
         frames.append(np.ascontiguousarray(value).data)
         return {"__array__": len(frames) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
@@ -326,10 +345,9 @@ def _build_columns(owner: type, name: str, cls: type, columns: dict) -> list:
         if type(col) is not list or len(col) != length or not check(col):
             raise ProtocolError(f"{owner.__name__}.{name}: bad column {n!r}")
     names = [n for n, _ in present]
-    rows = zip(*(c for _, c in present))
     if names == [n for n, *_ in specs[:len(names)]]:   # leading fields (always, from encode): positional
-        return [cls(*row) for row in rows]
-    return [cls(**dict(zip(names, row))) for row in rows]
+        return list(map(cls, *(c for _, c in present)))
+    return [cls(**dict(zip(names, row))) for row in zip(*(c for _, c in present))]
 
 
 _SPECS: dict[type, list] = {}

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-_FINISHED = RequestStatus.FINISHED
+FINISHED = RequestStatus.FINISHED   # (a module constant: compared per request per step)
 
 
 @dataclass
@@ -82,4 +82,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is _FINISHED
+        return self.status is FINISHED

@@ -26,7 +26,7 @@ from typing import Callable
 
 from services.sampling_params import SamplingParams
 from services.scheduler.beam_search import BeamSearch
-from services.scheduler.request import Request, RequestStatus, Sequence
+from services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
 from services.worker.model_runner import SeqStep
 from services.worker.worker_core import SampleRequest, SampleResult
 
@@ -79,6 +79,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self.stats = Counter()
         self._capacity_tokens = store.stats()["device_blocks_total"] * store.block_size
+        self._eos, self._max_model_len = config.eos_token_ids, config.max_model_len   # read per token
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -136,8 +137,7 @@ class Scheduler:
         # one batched append and no request needs its own check (that only matters when someone
         # must be preempted).
         if self._append_all_at_once():
-            for req in self.running:
-                self._add_compute(req, out, budget)
+            self._add_compute_all(out, budget)
         else:
             self._schedule_running(out, budget)
         num_running = len(self.running)
@@ -153,23 +153,48 @@ class Scheduler:
     def _append_all_at_once(self) -> bool:
         """Give every running sequence the slot for its last sampled token in one store call;
         False (and nothing appended) when they do not all fit, or one needs more than one token."""
+        seqs = [s for r in self.running for s in r.seqs]
+        if not seqs:
+            return True
         ids, tokens = [], []
-        known = self.store.num_tokens
-        for req in self.running:
-            for seq in req.seqs:
-                n = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-                have = known(seq.seq_id)
-                if have == n:
-                    continue
-                if have != n - 1:
-                    return False
-                ids.append(seq.seq_id)
-                tokens.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
+        for seq, have in zip(seqs, self.store.num_tokens_of([s.seq_id for s in seqs])):
+            out = seq.output_token_ids
+            n = len(seq.prompt_token_ids) + len(out)
+            if have == n:
+                continue
+            if have != n - 1:
+                return False
+            ids.append(seq.seq_id)
+            tokens.append(out[-1] if out else seq.prompt_token_ids[-1])
         if not ids:
             return True
         result = self.store.append_tokens(ids, tokens)
         self.stats["cow_copies"] += len(result.copies)
         return result.ok
+
+    def _add_compute_all(self, out: ScheduledStep, budget: list[int]) -> None:
+        """_add_compute for every running request, with the steady decode case inline: one
+        sequence, one pending token, its draw already built (the case of nearly every request in
+        nearly every step; anything else takes the general path)."""
+        table = self.store.block_table_view
+        steps, samples, computed, step_requests, requests = (
+            out.steps, out.samples, out.computed, out.step_requests, out.requests)
+        for req in self.running:
+            seqs = req.seqs
+            if len(seqs) == 1 and budget[0] > 0:
+                seq = seqs[0]
+                out_ids = seq.output_token_ids
+                start = seq.num_computed
+                if seq.sample_requests is not None and out_ids \
+                        and len(seq.prompt_token_ids) + len(out_ids) - start == 1:
+                    budget[0] -= 1
+                    steps.append(SeqStep(seq.seq_id, [out_ids[-1]], start, table(seq.seq_id)))
+                    samples.append(seq.sample_requests)
+                    computed.append((seq, 1))
+                    step_requests.append(req)
+                    requests.append(req)
+                    continue
+            self._add_compute(req, out, budget)
 
     def _schedule_running(self, out: ScheduledStep, budget: list[int]) -> None:
         """Running requests one by one, FCFS, preempting the newest while one cannot grow."""
@@ -383,9 +408,13 @@ class Scheduler:
         by_seq = {r.seq_id: r for r in results}
         finished: list[Request] = []
         for req in scheduled.requests:
-            if req.is_finished:
+            if req.status is FINISHED:
                 continue
-            wanted = [s for s in req.seqs if s.seq_id in by_seq]
+            seqs = req.seqs
+            if len(seqs) == 1:   # most requests: no list comprehension (a call of its own)
+                wanted = [seqs[0]] if seqs[0].seq_id in by_seq else []
+            else:
+                wanted = [s for s in seqs if s.seq_id in by_seq]
             if scheduled.pending_forks:
                 self._fork_samples(req, wanted, scheduled.pending_forks)
             if not wanted:
@@ -399,7 +428,7 @@ class Scheduler:
                     self._append_token(req, seq, by_seq[seq.seq_id])
             if not req.seqs:
                 self._finish(req, None)
-            if req.is_finished:
+            if req.status is FINISHED:
                 finished.append(req)
         return finished
 
@@ -422,13 +451,14 @@ class Scheduler:
         if p.logprobs is not None:
             seq.top_logprobs.append(r.top_logprobs)
         reason = None
-        if len(seq.output_token_ids) >= p.min_tokens:
-            if not p.ignore_eos and r.token_id in self.config.eos_token_ids:
+        num_out = len(seq.output_token_ids)
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and r.token_id in self._eos:
                 reason, seq.stop_token = "stop", r.token_id
             elif r.token_id in p.stop_token_ids:
                 reason, seq.stop_token = "stop", r.token_id
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens
-                               or seq.num_tokens >= self.config.max_model_len):
+        if reason is None and (num_out >= p.max_tokens
+                               or len(seq.prompt_token_ids) + num_out >= self._max_model_len):
             reason = "length"
         if reason is not None:
             seq.finish_reason = reason

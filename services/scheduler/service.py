@@ -247,18 +247,7 @@ class SchedulerService:
             return
         requests, finished = self.unpublished
         self.unpublished = None
-        batches: dict[bytes, protocol.RequestUpdates] = {}
-        owner, update_for = self.owner, self.routers_view.update_for
-        for req in requests:
-            update = update_for(req)
-            identity = owner.get(req.request_id)
-            if update is None or identity is None:
-                continue
-            batch = batches.get(identity)
-            if batch is None:
-                batch = batches[identity] = protocol.RequestUpdates([])
-            (batch.tokens if type(update) is protocol.TokenDelta else batch.updates).append(update)
-        for identity, batch in batches.items():
+        for identity, batch in self.routers_view.updates_for(requests, self.owner).items():
             self._send(identity, batch)
         self._flush_finished(finished)
 

@@ -25,7 +25,8 @@ class WorkerView:
 
     def execute_step(self, step: int, scheduled: ScheduledStep, store, requests: dict[str, Request]
                      ) -> protocol.ExecuteStep:
-        seqs, updates, new_params, histories = [], {}, {}, {}
+        updates, new_params, histories = {}, {}, {}
+        ids, tokens, starts, samples_of = [], [], [], []   # the SeqWork columns, built as columns
         tables, params = self.tables, self.params
         for s, wanted, req in zip(scheduled.steps, scheduled.samples, scheduled.step_requests):
             table = s.block_table
@@ -43,7 +44,10 @@ class WorkerView:
             if key in self.with_history:
                 for w in wanted:
                     histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
-            seqs.append(protocol.SeqWork(s.seq_id, s.token_ids, s.start_pos, samples))
+            ids.append(s.seq_id)
+            tokens.append(s.token_ids)
+            starts.append(s.start_pos)
+            samples_of.append(samples)
         freed = list(tables.keys() - store.live_seq_ids())
         for sid in freed:
             del tables[sid]
@@ -52,6 +56,8 @@ class WorkerView:
         for k in dropped:
             del params[k]
             self.with_history.discard(k)
+        seqs = protocol.Columns(protocol.SeqWork, {"seq_id": ids, "token_ids": tokens, "start_pos": starts,
+                                                   "samples": samples_of})
         return protocol.ExecuteStep(step, seqs, updates, freed, new_params, dropped, histories)
 
 
@@ -69,9 +75,48 @@ class RouterView:
         self.sent: dict[str, dict[int, int]] = {}
         self.closed: dict[str, set[int]] = {}
 
-    def update_for(self, req: Request) -> protocol.RequestUpdate | protocol.TokenDelta | None:
-        """The new tokens since the last update (None if nothing new); beams report only at the end.
-        The common case, one new token for a single running choice, comes as a TokenDelta."""
+    def updates_for(self, requests: list[Request], owner: dict[str, bytes]) -> dict[bytes, protocol.RequestUpdates]:
+        """This step's news for each router (by identity, from `owner`), one message each. The common
+        case, one new token for a single running choice, goes in the TokenDelta columns."""
+        batches: dict[bytes, tuple] = {}
+        for req in requests:
+            identity = owner.get(req.request_id)
+            if identity is None:
+                continue
+            batch = batches.get(identity)
+            if batch is None:
+                batch = batches[identity] = ([], [], [], [], [])
+            seq = self._single_new_token(req)
+            if seq is not None:
+                batch[1].append(req.request_id)
+                batch[2].append(seq.output_token_ids[-1])
+                batch[3].append(seq.logprobs[-1])
+                batch[4].append(seq.cum_logprob)
+                continue
+            update = self.update_for(req)
+            if update is not None:
+                batch[0].append(update)
+        return {identity: protocol.RequestUpdates(updates, protocol.Columns(protocol.TokenDelta, {
+                    "request_id": rids, "token_id": toks, "logprob": lps, "cumulative_logprob": cums}))
+                for identity, (updates, rids, toks, lps, cums) in batches.items() if updates or rids}
+
+    def _single_new_token(self, req: Request):
+        """The sequence, when the request's news is exactly one new token for its only choice, which
+        is still running and wants no top logprobs (counted as sent); else None."""
+        if req.beam is not None or len(req.seqs) != 1 or req.finished or req.params.logprobs is not None \
+                or req.is_finished:
+            return None
+        seq = req.seqs[0]
+        sent = self.sent.get(req.request_id)
+        if sent is None:
+            sent = self.sent[req.request_id] = {}
+        if seq.seq_index != 0 or len(seq.output_token_ids) != sent.get(0, 0) + 1:
+            return None
+        sent[0] = len(seq.output_token_ids)
+        return seq
+
+    def update_for(self, req: Request) -> protocol.RequestUpdate | None:
+        """The new tokens since the last update (None if nothing new); beams report only at the end."""
         finished = req.is_finished
         if req.beam is not None and not finished:
             return None
@@ -79,12 +124,6 @@ class RouterView:
         sent = self.sent.get(rid)
         if sent is None:
             sent = self.sent[rid] = {}
-        if not finished and len(req.seqs) == 1 and not req.finished and req.params.logprobs is None:
-            seq = req.seqs[0]
-            out = seq.output_token_ids
-            if seq.seq_index == 0 and len(out) == sent.get(0, 0) + 1:
-                sent[0] = len(out)
-                return protocol.TokenDelta(rid, out[-1], seq.logprobs[-1], seq.cum_logprob)
         closed = self.closed.get(rid, ())
         if req.beam is not None:
             choices = list(enumerate(req.finished[:req.params.n]))
