@@ -21,6 +21,7 @@ never cover a prompt's last token, so the model always computes at least one tok
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -43,6 +44,10 @@ class AppendResult:
     ok: bool
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src_block, dst_block)
     reason: str = ""
+
+
+_LOCATION = operator.attrgetter("location")
+_TOKEN_IDS = operator.attrgetter("token_ids")
 
 
 @dataclass
@@ -148,7 +153,10 @@ class BlockStore:
         w < r, w - 1 when w == r (the last writer owns it by then)."""
         return self._blocks_needed(self._tables(seq_ids, DEVICE), num_new_tokens)
 
-    def _blocks_needed(self, tables: list[SequenceTable], num_new_tokens: int) -> int:
+    def _blocks_needed(self, tables: list[SequenceTable], num_new_tokens: int,
+                       growing: list[int] | None = None) -> int:
+        """(growing: with one new token each, the indices of the tables that take a new block or
+        copy a shared one are appended to it; every other table owns the block its token lands in.)"""
         if num_new_tokens <= 0:
             return 0
         # Called for every running request every step: plain loops, no Counter unless a written
@@ -157,13 +165,17 @@ class BlockStore:
         writers: Counter[int] | None = None
         new = 0
         if num_new_tokens == 1:   # a decode step: one block to look at per table
-            for t in tables:
+            for k, t in enumerate(tables):
                 i, blocks = len(t.token_ids) // bs, t.blocks
                 if i >= len(blocks):
                     new += 1
                 elif refcounts[blocks[i]] > 1:
                     writers = writers if writers is not None else Counter()
                     writers[blocks[i]] += 1
+                else:
+                    continue
+                if growing is not None:
+                    growing.append(k)
             tables = ()
         for t in tables:
             n, blocks = len(t.token_ids), t.blocks
@@ -223,18 +235,25 @@ class BlockStore:
         if len(seq_ids) != len(token_ids):
             raise ValueError(f"{len(seq_ids)} sequences but {len(token_ids)} tokens")
         tables = list(map(self._seqs.get, seq_ids))   # the per-step hot path: checked in bulk below
-        if None in tables or any(t.location != DEVICE for t in tables) or len(set(seq_ids)) != len(seq_ids):
+        if None in tables or set(map(_LOCATION, tables)) != {DEVICE} or len(set(seq_ids)) != len(seq_ids):
             tables = self._tables(seq_ids, DEVICE)   # raises the right ValueError
-        need = self._blocks_needed(tables, 1)
+        growing: list[int] = []
+        need = self._blocks_needed(tables, 1, growing)
         if need > self._device.num_free:
             return BatchAppendResult(False, [], f"needs {need} device blocks, {self._device.num_free} free")
-        bs, refcounts = self.block_size, self._device._refcounts
+        # Tokens that land in a block their table owns touch nothing shared: append them at once.
+        # The rest take new blocks or copies, in order (which writer of a shared block copies
+        # depends on it).
+        if growing:
+            special = set(growing)
+            for k, (t, token) in enumerate(zip(tables, token_ids)):
+                if k not in special:
+                    t.token_ids.append(token)
+        else:   # most steps of a small batch, and a C-level pass
+            list(map(list.append, map(_TOKEN_IDS, tables), token_ids))
         copies = []
-        for t, seq_id, token in zip(tables, seq_ids, token_ids):
-            n = len(t.token_ids)
-            if n % bs and refcounts[t.blocks[n // bs]] == 1:   # into a partly filled block it owns
-                t.token_ids.append(int(token))
-                continue
+        for k in growing:
+            seq_id, token = seq_ids[k], token_ids[k]
             r = self.append_slots(seq_id, (token,))
             if not r.ok:   # the count above said it fits: a mismatch is a bug, not a shortage
                 raise RuntimeError(f"append_tokens: sequence {seq_id} failed after the batch was counted: {r.reason}")

@@ -400,11 +400,11 @@ class Scheduler:
         for seq, n in scheduled.computed:
             if seq.seq_id in live:   # not aborted meanwhile
                 before = seq.num_computed
-                seq.num_computed += n
+                seq.num_computed = after = before + n
                 # Only a step that fills a block gives the store something to key for prefix
                 # caching: skip the call otherwise (15 of 16 decode steps).
-                if before // bs != seq.num_computed // bs:
-                    store.mark_computed(seq.seq_id, seq.num_computed)
+                if before // bs != after // bs:
+                    store.mark_computed(seq.seq_id, after)
         by_seq = {r.seq_id: r for r in results}
         finished: list[Request] = []
         for req in scheduled.requests:

@@ -6,7 +6,7 @@ has not cached, and the tokens each router has not been sent yet. Owned by the s
 from __future__ import annotations
 
 from services import protocol
-from services.scheduler.request import Request
+from services.scheduler.request import FINISHED, Request
 from services.scheduler.scheduler import ScheduledStep
 
 
@@ -40,7 +40,11 @@ class WorkerView:
                 params[key] = new_params[key] = req.params.to_dict()
                 if _needs_history(params[key]):
                     self.with_history.add(key)
-            samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)] for w in wanted]
+            if len(wanted) == 1:   # most steps of most sequences: no comprehension (a call of its own)
+                w = wanted[0]
+                samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)]]
+            else:
+                samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)] for w in wanted]
             if key in self.with_history:
                 for w in wanted:
                     histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
@@ -77,8 +81,10 @@ class RouterView:
 
     def updates_for(self, requests: list[Request], owner: dict[str, bytes]) -> dict[bytes, protocol.RequestUpdates]:
         """This step's news for each router (by identity, from `owner`), one message each. The common
-        case, one new token for a single running choice, goes in the TokenDelta columns."""
+        case, exactly one new token for a request's only choice, which is still running and wants
+        no top logprobs, goes in the TokenDelta columns; anything else is a RequestUpdate."""
         batches: dict[bytes, tuple] = {}
+        sent_all = self.sent
         for req in requests:
             identity = owner.get(req.request_id)
             if identity is None:
@@ -86,34 +92,27 @@ class RouterView:
             batch = batches.get(identity)
             if batch is None:
                 batch = batches[identity] = ([], [], [], [], [])
-            seq = self._single_new_token(req)
-            if seq is not None:
-                batch[1].append(req.request_id)
-                batch[2].append(seq.output_token_ids[-1])
-                batch[3].append(seq.logprobs[-1])
-                batch[4].append(seq.cum_logprob)
-                continue
+            seqs = req.seqs
+            if len(seqs) == 1 and req.beam is None and not req.finished and req.status is not FINISHED \
+                    and req.params.logprobs is None and seqs[0].seq_index == 0:
+                seq = seqs[0]
+                sent = sent_all.get(req.request_id)
+                if sent is None:
+                    sent = sent_all[req.request_id] = {}
+                num_out = len(seq.output_token_ids)
+                if num_out == sent.get(0, 0) + 1:
+                    sent[0] = num_out
+                    batch[1].append(req.request_id)
+                    batch[2].append(seq.output_token_ids[-1])
+                    batch[3].append(seq.logprobs[-1])
+                    batch[4].append(seq.cum_logprob)
+                    continue
             update = self.update_for(req)
             if update is not None:
                 batch[0].append(update)
         return {identity: protocol.RequestUpdates(updates, protocol.Columns(protocol.TokenDelta, {
                     "request_id": rids, "token_id": toks, "logprob": lps, "cumulative_logprob": cums}))
                 for identity, (updates, rids, toks, lps, cums) in batches.items() if updates or rids}
-
-    def _single_new_token(self, req: Request):
-        """The sequence, when the request's news is exactly one new token for its only choice, which
-        is still running and wants no top logprobs (counted as sent); else None."""
-        if req.beam is not None or len(req.seqs) != 1 or req.finished or req.params.logprobs is not None \
-                or req.is_finished:
-            return None
-        seq = req.seqs[0]
-        sent = self.sent.get(req.request_id)
-        if sent is None:
-            sent = self.sent[req.request_id] = {}
-        if seq.seq_index != 0 or len(seq.output_token_ids) != sent.get(0, 0) + 1:
-            return None
-        sent[0] = len(seq.output_token_ids)
-        return seq
 
     def update_for(self, req: Request) -> protocol.RequestUpdate | None:
         """The new tokens since the last update (None if nothing new); beams report only at the end."""
