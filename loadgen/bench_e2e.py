@@ -40,22 +40,26 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
         end = time.perf_counter()
         return {"ttft": float("nan"), "tpot": float("nan"), "latency": end - start,
                 "tokens": r.json()["usage"]["completion_tokens"]}
-    stamps: list[float] = []
-    tokens = 0
+    # The client shares the 2 cores with the stack, so it reads the stream as bytes: the time of
+    # the first event (TTFT) and of the end (TPOT) is all it needs, and only the last event (the
+    # usage) is parsed. Parsing every event as JSON cost it ~0.9 core-seconds per saturation run.
+    body["stream_options"] = {"include_usage": True}
+    first, tail = None, b""
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                stamps.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+        async for chunk in r.aiter_bytes():
+            if first is None and b"data: {" in chunk:
+                first = time.perf_counter()
+            tail = (tail + chunk)[-8192:]
     end = time.perf_counter()
-    ttft = stamps[0] - start if stamps else float("nan")
-    tpot = (end - stamps[0]) / max(1, max_tokens - 1) if stamps else float("nan")
-    return {"ttft": ttft, "tpot": tpot, "latency": end - start, "tokens": tokens or max_tokens}
+    events = [e[6:] for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+    last = json.loads(events[-1]) if events else {}
+    if "error" in last:
+        raise RuntimeError(f"the stream ended with an error: {last['error']}")
+    tokens = (last.get("usage") or {}).get("completion_tokens", 0)
+    ttft = first - start if first is not None else float("nan")
+    tpot = (end - first) / max(1, tokens - 1) if first is not None else float("nan")
+    return {"ttft": ttft, "tpot": tpot, "latency": end - start, "tokens": tokens}
 
 
 async def drive(url: str, model: str, reqs, rate: float | None, seed: int,
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
     print(f"stack / offline at saturation (goal >= 0.85), best / median of rounds: non-streamed "
           f"{rate(best(unstreamed)) / ref:.2f} / {med(unstreamed) / ref_med:.2f}, streamed "
           f"{rate(best(streamed)) / ref:.2f} / {med(streamed) / ref_med:.2f} "
-          f"(the client parses every SSE event on the same cores)")
+          f"(the client reads every SSE event on the same cores)")
     for line in timing:    # with --log-level INFO: the scheduler's per-step breakdown per run
         print("scheduler:", line)
     return 0
