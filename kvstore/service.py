@@ -30,7 +30,7 @@ from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.replay import ReplicaDiverged, apply_ops
 from kvstore.store import BlockStore
 from services import protocol
-from services.process import PeerWatch, on_stop_signals, service_main
+from services.process import answer_requests, on_stop_signals, service_main
 
 log = logging.getLogger("pagedserve.kvstore")
 
@@ -250,15 +250,7 @@ def run(config: Config) -> int:
 
 
 def _serve(sock: zmq.Socket, service: KVStoreService, stop: threading.Event) -> None:
-    # Blocks in poll (never spins); a stop signal is seen within POLL_MS.
-    scheduler = PeerWatch("scheduler", log)
-    while not stop.is_set():
-        if not sock.poll(POLL_MS, zmq.POLLIN):
-            scheduler.check()
-            continue
-        scheduler.seen()
-        identity, *frames = sock.recv_multipart()   # copying small frames beats tracking zero-copy ones
-        sock.send_multipart([identity, *service.handle(frames)])
+    answer_requests(sock, service.handle, stop, log, POLL_MS)
 
 
 def main(argv: list[str] | None = None) -> int:

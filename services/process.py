@@ -68,3 +68,21 @@ class PeerWatch:
             self.log.warning("the %s has been silent for %.0f s", self.name, self.clock() - self.last_seen)
             self.reported = True
         return False
+
+
+def answer_requests(sock, answer: Callable[[list], list], stop: threading.Event, log,
+                    poll_ms: int, between: Callable[[], None] | None = None) -> None:
+    """The loop of a process that answers the scheduler on a ROUTER socket: block in poll (never
+    spin; a stop signal is seen within poll_ms), reply to each request with answer(frames) -> reply
+    frames, log when the scheduler falls silent, and run between() after every poll."""
+    import zmq
+    scheduler = PeerWatch("scheduler", log)
+    while not stop.is_set():
+        if not sock.poll(poll_ms, zmq.POLLIN):
+            scheduler.check()
+        else:
+            scheduler.seen()
+            identity, *frames = sock.recv_multipart()   # copying small frames beats tracking zero-copy ones
+            sock.send_multipart([identity, *answer(frames)])
+        if between is not None:
+            between()

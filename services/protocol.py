@@ -229,10 +229,6 @@ class Columns:
     def __len__(self) -> int:
         return len(next(iter(self.columns.values()), ()))
 
-    def items(self) -> list:
-        names = list(self.columns)
-        return [self.cls(**dict(zip(names, row))) for row in zip(*self.columns.values())]
-
 
 # ---- encoding ----------------------------------------------------------------------------------
 

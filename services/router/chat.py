@@ -101,7 +101,7 @@ class ChatFormatter:
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
         for ev in events:
-            if not ev.text and ev.finish_reason is None and not (self.top is not None and ev.logprobs):
+            if ev.says_nothing(self.top is not None):
                 continue
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "delta": {"content": ev.text} if ev.text else {},

@@ -30,6 +30,10 @@ class ChoiceEvent:
     finish_reason: str | None = None
     num_new_tokens: int = 0
 
+    def says_nothing(self, with_logprobs: bool) -> bool:
+        """No text, no end, and no logprobs a client asked for: nothing to send in a stream."""
+        return not self.text and self.finish_reason is None and not (with_logprobs and self.logprobs)
+
 
 class ChoiceState:
     def __init__(self, index: int, detokenizer: IncrementalDetokenizer, stops: StopStrings,

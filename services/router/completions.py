@@ -99,7 +99,7 @@ class CompletionFormatter:
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
         for ev in events:
-            if not ev.text and ev.finish_reason is None and not (self.logprobs is not None and ev.logprobs):
+            if ev.says_nothing(self.logprobs is not None):
                 continue
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs),

@@ -241,13 +241,8 @@ class Scheduler:
         a multi-sequence request being re-prefilled holds back each sequence's last token until
         all of them can finish in the same step."""
         seqs = req.seqs
-        if len(seqs) == 1:
-            seq = seqs[0]
-            pending = [len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed]
-            total = pending[0]
-        else:
-            pending = [s.num_tokens - s.num_computed for s in seqs]
-            total = sum(pending)
+        pending = [s.num_tokens - s.num_computed for s in seqs]
+        total = sum(pending)
         if total == 0:
             return
         together = total <= budget[0]

@@ -38,7 +38,7 @@ from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pool
 from kvstore.cuda_sync import open_event
 from kvstore.pool import BlockPool
 from services import protocol
-from services.process import PeerWatch, on_stop_signals, service_main
+from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import ModelLoadError, load_model
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.step_inputs import StepError, StepInputs
@@ -336,16 +336,12 @@ def run(config: Config) -> int:
 
 def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event) -> int:
     """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle."""
-    scheduler = PeerWatch("scheduler", log)
-    while not stop.is_set():
-        if not sock.poll(POLL_MS, zmq.POLLIN):
-            scheduler.check()
-        else:
-            scheduler.seen()
-            identity, *frames = sock.recv_multipart()
-            sock.send_multipart([identity, *protocol.encode(service.handle(frames))])
+    def keep_ranks_alive() -> None:
         if time.monotonic() - service.last_broadcast >= HEARTBEAT_S:
             service.broadcast("beat")
+
+    answer_requests(sock, lambda frames: protocol.encode(service.handle(frames)), stop, log, POLL_MS,
+                    between=keep_ranks_alive)
     log.info("stopping")
     try:
         service.broadcast("stop")
