@@ -42,11 +42,16 @@ class ReplicaDiverged(RuntimeError):
 
 # ---- results -----------------------------------------------------------------------------------
 
+_NO_COPIES = [True, []]  # the result of nearly every append: shared, never mutated by callers
+
+
 def encode_result(r: Any) -> Any:
     """A store result -> plain lists that survive msgpack unchanged (so mirror == replica)."""
     if r is None:
         return None
     kind = type(r)
+    if (kind is AppendResult or kind is BatchAppendResult) and not r.copies:
+        return _NO_COPIES if r.ok else [False, []]
     if kind is AppendResult:
         return [r.ok, [[s, d] for s, d in r.copies]]
     if kind is BatchAppendResult:
@@ -57,8 +62,6 @@ def encode_result(r: Any) -> Any:
         return [r.ok, [[a, b] for a, b in r.mapping]]
     raise TypeError(f"no wire form for {kind.__name__}")
 
-
-_NO_COPIES = [True, []]  # the result of nearly every append: shared, never mutated by callers
 
 
 # ---- recording on the mirror -------------------------------------------------------------------
@@ -116,14 +119,14 @@ class RecordingStore:
             # The store's own copy of the new tokens: already plain ints, and a slice is cheaper
             # than converting them again (this runs for every running sequence every step).
             self._ops.append(["append_slots", int(seq_id), self.store._seqs[seq_id].token_ids[-n:]])
-            self._results.append(encode_result(r) if r.copies else _NO_COPIES)
+            self._results.append(encode_result(r))
         return r
 
     def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> BatchAppendResult:
         r = self.store.append_tokens(seq_ids, token_ids)
         if r.ok and seq_ids:
             self._ops.append(["append_tokens", list(seq_ids), list(map(int, token_ids))])
-            self._results.append(encode_result(r) if r.copies else _NO_COPIES)
+            self._results.append(encode_result(r))
         return r
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
@@ -177,12 +180,7 @@ def apply_ops(store: BlockStore, ops: list) -> list:
             r = fn(*args)
         except (ValueError, RuntimeError, TypeError) as e:
             raise ReplicaDiverged(i, results, str(e)) from None
-        if r is None:
-            append(None)
-        elif (type(r) is AppendResult or type(r) is BatchAppendResult) and r.ok and not r.copies:
-            append(_NO_COPIES)
-        else:
-            append(encode_result(r))
+        append(encode_result(r))
     return results
 
 

@@ -201,7 +201,7 @@ class BlockStore:
             t = self._table(seq_id, DEVICE)   # raises the right ValueError
         if len(token_ids) == 0:
             return AppendResult(True)
-        n, bs = len(t.token_ids), self.block_size   # _append_span, inlined: this runs per token
+        n, bs = len(t.token_ids), self.block_size   # blocks [lo, hi) receive the new tokens
         lo, hi = n // bs, (n + len(token_ids) - 1) // bs + 1
         blocks, refcounts = t.blocks, self._device._refcounts
         cow = [i for i in range(lo, min(hi, len(blocks))) if refcounts[blocks[i]] > 1]
@@ -490,12 +490,6 @@ class BlockStore:
 
     def _has_hash(self, block: int, location: str) -> bool:
         return location == DEVICE and self._index is not None and self._index.hash_of(block) is not None
-
-    def _append_span(self, t: SequenceTable, num_new: int) -> tuple[int, int]:
-        """Logical blocks [lo, hi) that receive num_new tokens appended to t."""
-        if num_new <= 0:
-            return 0, 0
-        return t.num_tokens // self.block_size, (t.num_tokens + num_new - 1) // self.block_size + 1
 
     @staticmethod
     def _group_refs(tables: list[SequenceTable]) -> Counter[int]:

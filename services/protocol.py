@@ -469,31 +469,19 @@ def _checker(hint: Any):
     if origin in (typing.Union, types.UnionType):
         parts = [_checker(h) for h in typing.get_args(hint)]
         return lambda v: any(p(v) for p in parts)
-    if hint is type(None):
-        return lambda v: v is None
     if hint is Any:
         return lambda v: True
-    if hint is float:
-        return lambda v: type(v) is float or type(v) is int
-    if hint is int:
-        return lambda v: type(v) is int
-    if hint is bool:
-        return lambda v: type(v) is bool
-    if hint is str:
-        return lambda v: type(v) is str
     if hint is np.ndarray:
         return lambda v: isinstance(v, np.ndarray)
-    if origin is list or hint is list:
+    if origin is list:   # (None, int, float, bool, str, bare list and dict: _exact_types above)
         args = typing.get_args(hint)
-        if not args:
-            return lambda v: type(v) is list
         if args[0] is int:
             return lambda v: type(v) is list and _only(v, _INT)
         if args[0] is float:
             return lambda v: type(v) is list and _only(v, _NUMBER)
         inner = _checker(args[0])
         return lambda v: type(v) is list and all(inner(x) for x in v)
-    if origin is dict or hint is dict:
+    if origin is dict:
         return lambda v: type(v) is dict
     if isinstance(hint, type):
         return lambda v: isinstance(v, hint)

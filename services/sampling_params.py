@@ -65,6 +65,11 @@ class SamplingParams:
         return self.beam_width > 1
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the token history (the worker must be sent it)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.use_beam_search or self.temperature < SAMPLING_EPS
 

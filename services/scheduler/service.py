@@ -178,7 +178,10 @@ class SchedulerService:
             self.core.abort(msg.request_id)
             self._flush_finished([self.core.requests[msg.request_id]] if msg.request_id in self.core.requests else [])
         elif isinstance(msg, protocol.GetStats):
-            self._send(identity, protocol.StatsReply(self.stats()))
+            try:
+                self._send(identity, protocol.StatsReply(self.stats()))
+            except PeerTimeout as e:   # the heartbeat marks the replica not ready; this caller gets a 503
+                self._send(identity, protocol.Error(f"the kvstore did not answer: {e}", 503, "server_error"))
         elif isinstance(msg, protocol.Ping):
             self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler", self.ready))
         else:
@@ -248,13 +251,14 @@ class SchedulerService:
         requests, finished = self.unpublished
         self.unpublished = None
         for identity, batch in self.routers_view.updates_for(requests, self.owner).items():
-            self._send(identity, batch)
-        self._flush_finished(finished)
+            self._send(identity, batch)   # the finished ones' last updates included
+        self._flush_finished(finished, announce=False)
 
-    def _flush_finished(self, finished) -> None:
+    def _flush_finished(self, finished, announce: bool = True) -> None:
+        """Forget finished requests, first sending each owner its final update (unless it was sent)."""
         for req in finished:
             if req.request_id in self.owner and req.is_finished:
-                update = self.routers_view.update_for(req)
+                update = self.routers_view.update_for(req) if announce else None
                 if update is not None:
                     self._send(self.owner[req.request_id], update)
                 del self.owner[req.request_id]
@@ -316,7 +320,8 @@ class SchedulerService:
                                      info={"model": self.model_name, "load": len(self.owner)})
 
     def stats(self) -> dict:
-        kv = self.kv.call(protocol.GetStats()).stats
+        reply = self.kv.call(protocol.GetStats())
+        kv = reply.stats if isinstance(reply, protocol.StatsReply) else {}
         total = max(1, kv.get("device_blocks_total", 1))
         s = self.core.stats
         return {"ready": self.ready, "model": self.model_name, "max_model_len": self.max_model_len,

@@ -10,10 +10,6 @@ from services.scheduler.request import FINISHED, Request
 from services.scheduler.scheduler import ScheduledStep
 
 
-def _needs_history(params: dict) -> bool:
-    return (params.get("repetition_penalty", 1.0) != 1.0 or params.get("presence_penalty", 0.0) != 0.0
-            or params.get("frequency_penalty", 0.0) != 0.0)
-
 
 class WorkerView:
     """What the worker already knows: block tables and params sent so far."""
@@ -38,7 +34,7 @@ class WorkerView:
             key = req.request_id
             if key not in params:
                 params[key] = new_params[key] = req.params.to_dict()
-                if _needs_history(params[key]):
+                if req.params.uses_penalties:
                     self.with_history.add(key)
             if len(wanted) == 1:   # most steps of most sequences: no comprehension (a call of its own)
                 w = wanted[0]

@@ -79,7 +79,7 @@ class StepInputs:
         history = histories.get(seq_id, histories.get(work_seq_id))
         if history is not None:
             prompt_ids, output_ids = history
-        elif _uses_penalties(params):
+        elif params.uses_penalties:
             raise StepError(f"seq {seq_id}: its params use penalties but the step carries no history")
         else:
             # Without penalties the sampler reads only len(output_token_ids) (min_tokens, and the
@@ -88,6 +88,3 @@ class StepInputs:
             prompt_ids, output_ids = [], [0] * num_output
         return SampleRequest(seq_id, params, prompt_ids, output_ids, seq_index, beam_candidates)
 
-
-def _uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
