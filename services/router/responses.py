@@ -75,18 +75,17 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, includ
 
     async def body():
         try:
-            for chunk in fmt.start_chunks():
-                yield sse(chunk)
-            if first is not None:
-                for chunk in fmt.chunks(first):
-                    yield sse(chunk)
+            # One write per batch of updates, not per chunk: a router that falls behind catches
+            # up in fewer, larger sends (each send costs a trip through starlette and uvicorn).
+            head = fmt.start_chunks() + (fmt.chunks(first) if first is not None else [])
+            if head:
+                yield "".join(map(sse, head))
             async for batch in events:
-                for chunk in fmt.chunks(batch):
-                    yield sse(chunk)
+                chunks = fmt.chunks(batch)
+                if chunks:
+                    yield "".join(map(sse, chunks))
             gen.close()
-            if include_usage:
-                yield sse(fmt.usage_chunk())
-            yield DONE
+            yield (sse(fmt.usage_chunk()) if include_usage else "") + DONE
         except ClientDisconnected:
             gen.close()
         except APIError as e:
