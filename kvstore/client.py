@@ -34,19 +34,31 @@ class KVStoreClient:
 
     def apply(self, step: int, ops: list[list]) -> protocol.ApplyOpsReply:
         """Send one step's op log; the reply's results are to be compared with the mirror's."""
-        reply = self._call(protocol.ApplyOps(step, ops), protocol.ApplyOpsReply)
+        self.send_apply(step, ops)
+        return self.receive_apply(step)
+
+    def send_apply(self, step: int, ops: list[list]) -> None:
+        """The first half of apply: the scheduler sends, then works on while the kvstore applies."""
+        self._rpc.send(protocol.ApplyOps(step, ops))
+
+    def receive_apply(self, step: int) -> protocol.ApplyOpsReply:
+        reply = self._check(protocol.ApplyOps, self._rpc.receive(), protocol.ApplyOpsReply)
         if reply.step != step:
             raise KVStoreError(f"asked to apply step {step}, the kvstore answered for step {reply.step}")
         return reply
 
-    def pool_info(self) -> protocol.PoolInfo:
-        return self._call(protocol.GetPoolInfo(), protocol.PoolInfo)
+    def reset(self, sender: str) -> None:
+        """Empty the store (a new scheduler starts from nothing)."""
+        self._call(protocol.ResetStore(sender), protocol.Pong)
+
+    def pool_info(self, timeout_s: float | None = None) -> protocol.PoolInfo:
+        return self._call(protocol.GetPoolInfo(), protocol.PoolInfo, timeout_s)
 
     def stats(self) -> dict:
         return self._call(protocol.GetStats(), protocol.StatsReply).stats
 
-    def ping(self) -> protocol.Pong:
-        return self._call(protocol.Ping(sender="kvstore-client"), protocol.Pong)
+    def ping(self, sender: str = "kvstore-client", timeout_s: float | None = None) -> protocol.Pong:
+        return self._call(protocol.Ping(sender=sender), protocol.Pong, timeout_s)
 
     def close(self) -> None:
         self._rpc.close()
@@ -57,12 +69,16 @@ class KVStoreClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, msg, want: type):
-        reply = self._rpc.call(msg)   # PeerTimeout when the kvstore is silent
+    def _call(self, msg, want: type, timeout_s: float | None = None):
+        # PeerTimeout when the kvstore is silent
+        return self._check(type(msg), self._rpc.call(msg, timeout_s), want)
+
+    @staticmethod
+    def _check(asked: type, reply, want: type):
         if isinstance(reply, protocol.Error):
             raise KVStoreError(f"kvstore: {reply.message}", reply.code)
         if not isinstance(reply, want):
-            raise KVStoreError(f"kvstore answered {type(msg).__name__} with {type(reply).__name__}")
+            raise KVStoreError(f"kvstore answered {asked.__name__} with {type(reply).__name__}")
         return reply
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvstore.client import KVStoreClient, KVStoreError
 from services import protocol
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
@@ -114,13 +115,14 @@ class SchedulerService:
         self.config = config
         _, spec = inspect_model_dir(config.model)
         self.ctx = zmq.Context()
-        self.kv = RpcClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
+        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
         self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx)
-        info = self._wait_for(self.kv, protocol.GetPoolInfo(), "kvstore")
+        info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
         # The kvstore may have served an earlier scheduler of this replica (a restart): start both
         # block stores, the mirror and the replica, from empty.
-        self.kv.call(protocol.ResetStore("scheduler"))
-        self._wait_for(self.worker, protocol.Ping("scheduler"), "worker")
+        self.kv.reset("scheduler")
+        self._wait_for(lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0), "worker",
+                       self.worker.endpoint)
         self.mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
                                                 enable_prefix_caching=info.enable_prefix_caching))
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
@@ -143,14 +145,14 @@ class SchedulerService:
         self.sock.bind(config.endpoint)
         self.state = self._register()
 
-    def _wait_for(self, client: RpcClient, msg, name: str):
+    def _wait_for(self, call, name: str, endpoint: str):
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             try:
-                return client.call(msg, timeout_s=1.0)
+                return call()
             except PeerTimeout:
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"scheduler: the {name} at {client.endpoint} did not answer "
+                    raise SystemExit(f"scheduler: the {name} at {endpoint} did not answer "
                                      f"within {self.config.startup_timeout_s:.0f} s")
 
     def _register(self):
@@ -276,16 +278,19 @@ class SchedulerService:
         if not ops:
             return None
         self.step_no += 1
-        self.kv.send(protocol.ApplyOps(self.step_no, ops))
+        self.kv.send_apply(self.step_no, ops)
         return expected, _moves_bytes(ops, expected)
 
     def _check_ops(self, pending) -> None:
         expected, _ = pending
-        reply = self.kv.receive()
-        if not isinstance(reply, protocol.ApplyOpsReply) or reply.error or reply.results != expected:
+        try:
+            reply = self.kv.receive_apply(self.step_no)
+            why = reply.error or (None if reply.results == expected else "different results")
+        except KVStoreError as e:
+            why = str(e)
+        if why is not None:
             self.broken = "the kvstore diverged from the scheduler's block-store mirror"
-            raise RuntimeError(f"kvstore diverged from the scheduler's mirror at step {self.step_no}: "
-                               f"{getattr(reply, 'error', None) or 'different results'}")
+            raise RuntimeError(f"kvstore diverged from the scheduler's mirror at step {self.step_no}: {why}")
 
     def fail_all(self, why: str) -> None:
         """A peer is gone: end every request with an error rather than leave routers waiting."""
@@ -306,11 +311,14 @@ class SchedulerService:
         self.timing.maybe_log(idle=not self.core.has_unfinished())
         self._sync_kvstore()     # aborts and frees made while idle
         ok = self.broken is None
-        for client, name in ((self.kv, "kvstore"), (self.worker, "worker")):
+        pings = ((lambda: self.kv.ping("scheduler", self.config.peer_timeout_s), "kvstore", self.kv.endpoint),
+                 (lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s),
+                  "worker", self.worker.endpoint))
+        for ping, name, endpoint in pings:
             try:
-                client.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s)
+                ping()
             except PeerTimeout:
-                log.error("the %s at %s stopped answering", name, client.endpoint)
+                log.error("the %s at %s stopped answering", name, endpoint)
                 ok = False
         if self.ready and not ok:
             self.fail_all("an engine process stopped answering")
@@ -320,8 +328,10 @@ class SchedulerService:
                                      info={"model": self.model_name, "load": len(self.owner)})
 
     def stats(self) -> dict:
-        reply = self.kv.call(protocol.GetStats())
-        kv = reply.stats if isinstance(reply, protocol.StatsReply) else {}
+        try:
+            kv = self.kv.stats()
+        except KVStoreError:
+            kv = {}
         total = max(1, kv.get("device_blocks_total", 1))
         s = self.core.stats
         return {"ready": self.ready, "model": self.model_name, "max_model_len": self.max_model_len,
