@@ -26,6 +26,11 @@ MAX_LOGPROBS = 20
 # msgpack carries integers in [-2**63, 2**64): a seed outside cannot travel.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+# Other integers must fit in an int64 (torch tensors, msgpack).
+_INT_MAX = 2**63 - 1
+# The most sequences one request may ask for (n, beam width): the router keeps a state per choice
+# before the scheduler, which admits at most its max_num_seqs, can refuse the request.
+MAX_N = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -89,13 +94,19 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
 
-        if self.n < 1:
-            raise SamplingParamsError("n", f"n must be at least 1, got {self.n}")
-        if self.beam_width < 1:
-            raise SamplingParamsError("beam_width", f"beam_width must be at least 1, got {self.beam_width}")
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 1 <= self.beam_width <= MAX_N:
+            raise SamplingParamsError("beam_width", f"beam_width must be in [1, {MAX_N}], got {self.beam_width}")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            if getattr(self, name) > _INT_MAX:
+                raise SamplingParamsError(name, f"{name} must fit in 64 bits, got {getattr(self, name)}")
         if self.use_beam_search and self.n > self.beam_width:
             raise SamplingParamsError(
                 "n", f"n ({self.n}) must not exceed beam_width ({self.beam_width}) in beam search")
+        if self.use_beam_search and self.logprobs is not None:
+            # Beams are re-ranked every step; their per-token logprobs are not tracked (yet).
+            raise SamplingParamsError("logprobs", "logprobs are not returned with beam search")
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -136,9 +147,11 @@ class SamplingParams:
                 "stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id)
-            if token_id < 0:
+            if not 0 <= token_id <= _INT_MAX:
                 raise SamplingParamsError(
-                    "stop_token_ids", f"stop_token_ids must be non-negative, got {token_id}")
+                    "stop_token_ids", f"stop_token_ids must be non-negative 64-bit integers, got {token_id}")
+        for s in self.stop:
+            _require_utf8("stop", s)
         # Checked by type, not `in (False, True, "never")`, which would let 0 and 1 pass as booleans.
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise SamplingParamsError("early_stopping",
@@ -146,6 +159,8 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise SamplingParamsError(
                 "cache_salt", f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}")
+        if self.cache_salt is not None:
+            _require_utf8("cache_salt", self.cache_salt)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,6 +189,14 @@ def _require_int(name: str, value: Any) -> None:
     # bool is a subclass of int in Python; a JSON `true` must not pass for n=1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+
+
+def _require_utf8(name: str, value: str) -> None:
+    # A lone surrogate (JSON "\ud800") is a valid Python str that no UTF-8 wire can carry.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SamplingParamsError(name, f"{name} is not valid Unicode (a lone surrogate): {value!r}") from None
 
 
 def _require_number(name: str, value: Any) -> None:

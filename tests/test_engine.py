@@ -305,6 +305,15 @@ def test_request_longer_than_pool_rejected_others_continue(make_engine):
     assert len(out[0].outputs[0].token_ids) > 0
 
 
+def test_request_wider_than_max_num_seqs_rejected_not_left_waiting(make_engine):
+    engine = make_engine(num_device_blocks=64, max_num_seqs=4)
+    for params in (SamplingParams(n=5, max_tokens=2), SamplingParams(n=2, beam_width=5, max_tokens=2)):
+        with pytest.raises(SchedulerError, match="max_num_seqs"):
+            engine.add_request([5, 6, 7], params)
+    out = engine.generate(["x"], SamplingParams(n=4, max_tokens=2))
+    assert len(out[0].outputs) == 4
+
+
 def test_request_that_outgrows_pool_is_aborted_not_retried(make_engine):
     engine = make_engine(num_device_blocks=2, max_num_seqs=2, max_num_batched_tokens=64)   # 32 slots
     out = engine.generate([list(range(10, 30)), "x"],

@@ -132,6 +132,23 @@ def test_chat_uses_the_template_without_a_second_bos_and_fills_the_context(clien
     assert add.params["max_tokens"] == info.max_model_len - len(add.prompt_token_ids)
 
 
+def test_chat_continues_the_final_message_and_echoes_it(client, fake, info, script):
+    msgs = [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": msgs, "max_tokens": 3, "add_generation_prompt": False, "continue_final_message": True,
+            "echo": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    rendered = info.tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False,
+                                                  continue_final_message=True)
+    assert rendered.endswith("Once upon")
+    add = fake.messages(protocol.AddRequest)[-1]
+    assert add.prompt_token_ids == info.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert r.json()["choices"][0]["message"]["content"] == "Once upon" + expected_text(info, script, 3)
+    chunks, _ = stream_events(client, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Once upon"}
+    assert stream_text(chunks, chat=True) == r.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_equals_non_streaming_and_ends_with_done(client, info, script, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -306,21 +323,35 @@ BAD_COMPLETIONS = [
     ({"prompt": {"a": 1}}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
-    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "n": 5000}, "n"),
+    ({"prompt": "x", "stop": ["\ud800"]}, "stop"),             # a lone surrogate cannot travel
+    ({"prompt": "x", "cache_salt": "\udfff"}, "cache_salt"),
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": "x", "top_k": 2 ** 64}, "top_k"),
+    ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
+    ({"prompt": "many words " * 20000}, "prompt"),       # refused by its length, before tokenizing
 ]
 
 
 @pytest.mark.parametrize("body,param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
 def test_bad_completion_requests_get_400_and_never_reach_the_scheduler(client, fake, body, param):
     before = len(fake.messages(protocol.AddRequest))
-    assert_error(client.post("/v1/completions", json=body), 400, param)
+    # json.dumps escapes lone surrogates (\ud800), which httpx's own encoder cannot write.
+    assert_error(client.post("/v1/completions", content=json.dumps(body)), 400, param)
     assert len(fake.messages(protocol.AddRequest)) == before
 
 
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"content": "hi"}]}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
@@ -328,13 +359,20 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi " * 2000}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "a\udc00"}]}, "messages"),
 ]
 
 
 @pytest.mark.parametrize("body,param", BAD_CHATS, ids=[str(i) for i in range(len(BAD_CHATS))])
 def test_bad_chat_requests_get_400_and_never_reach_the_scheduler(client, fake, body, param):
     before = len(fake.messages(protocol.AddRequest))
-    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+    assert_error(client.post("/v1/chat/completions", content=json.dumps(body)), 400, param)
     assert len(fake.messages(protocol.AddRequest)) == before
 
 

@@ -152,3 +152,57 @@ def test_a_dead_scheduler_fails_buffered_subscribers_and_forgets_their_updates()
     client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 5)]))
     client._fail_all(503, "gone")
     assert isinstance(queue.get_nowait(), Failure) and not client.merging and not client.subscribers
+
+
+def test_updates_that_queued_up_come_out_as_one_batch_and_a_failure_after_them(tokenizer):
+    import asyncio
+    from types import SimpleNamespace
+    from services import protocol
+    from services.router.errors import APIError
+    from services.router.generation import Generation
+    from services.router.scheduler_client import Failure
+    from services.sampling_params import SamplingParams
+    ctx = SimpleNamespace(info=SimpleNamespace(eos_token_ids=[]), decode=tokenizer.decode,
+                          metrics=SimpleNamespace(ttft=SimpleNamespace(observe=lambda s: None),
+                                                  itl=SimpleNamespace(observe=lambda s: None)))
+    gen = Generation(ctx, "a", [[5, 6]], SamplingParams(max_tokens=8))
+    gen.abort = gen.close = lambda *a: None        # no backend: nothing to abort or record
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    for tid in ids:
+        gen.queue.put_nowait(protocol.RequestUpdate("a", [protocol.CompletionDelta(0, [tid], [-1.0], None, None, -1.0)]))
+    gen.queue.put_nowait(Failure(503, "gone"))
+
+    async def follow():
+        batches = []
+        with pytest.raises(APIError):
+            async for batch in gen.events():
+                batches.append(batch)
+        return batches
+
+    batches = asyncio.run(follow())
+    assert len(batches) == 1 and len(batches[0]) == len(ids)
+    assert "".join(e.text for e in batches[0]) == gen.choices[0][0].text and "two" in gen.choices[0][0].text
+
+
+def test_text_of_the_first_min_tokens_can_start_a_stop_string_but_not_end_one():
+    stops = StopStrings(["ab", "xyz"])
+    assert stops.feed("ab", can_stop=False) == ("", False)         # complete but too early: held
+    assert stops.feed("xa", can_stop=False) == ("abx", False)      # "a" may start "ab": held
+    assert stops.feed("b") == ("", True) and stops.matched == "ab"  # ends in allowed text
+    stops = StopStrings(["xyz"])
+    assert stops.feed("xy", can_stop=False) == ("", False)
+    assert stops.feed("q") == ("xyq", False)
+
+
+def test_stop_reason_is_the_stop_token_id_and_its_text_shows_only_when_asked(tokenizer):
+    from services import protocol
+    from services.router.choices import ChoiceState
+    ids = tokenizer.encode("one two", add_special_tokens=False)
+    for include in (False, True):
+        choice = ChoiceState(0, IncrementalDetokenizer(tokenizer.decode, [5], True), StopStrings([], include),
+                             eos_token_ids={2}, stop_token_ids={ids[-1]})
+        event = choice.apply(protocol.CompletionDelta(0, ids, [-1.0] * len(ids), None, "stop", -2.0))
+        assert event.finish_reason == "stop" and event.stop_reason == ids[-1] == choice.stop_reason
+        assert (choice.text == tokenizer.decode(ids)) is include
+    eos = ChoiceState(0, IncrementalDetokenizer(tokenizer.decode, [5], True), StopStrings([]), {2}, set())
+    assert eos.apply(protocol.CompletionDelta(0, [2], [-1.0], None, "stop", -1.0)).stop_reason is None

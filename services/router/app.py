@@ -14,6 +14,7 @@ import logging
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -52,6 +53,7 @@ class RouterContext:
         self.metrics = RouterMetrics(self.model_name)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------
     def start(self) -> None:
@@ -61,6 +63,7 @@ class RouterContext:
         self.backends.start()
 
     async def stop(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self.backends is not None:
             await self.backends.close()
         if self.zmq_ctx is not None:
@@ -69,8 +72,23 @@ class RouterContext:
             self.zmq_ctx.destroy(linger=0)
 
     # ---- checks shared by the endpoints ---------------------------------------------------------
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        if len(text) > self.info.max_prompt_chars:
+            raise bad_request(f"This model's maximum context length is {self.info.max_model_len} tokens; "
+                              f"a text of {len(text)} characters cannot fit in it.", param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("the text is not valid Unicode (it holds a lone surrogate)", param) from None
         return list(self.info.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def off_loop(self, fn, *args, size: int = 0):
+        """Run fn(*args) in a thread when size (characters to tokenize) is large: the tokenizer
+        releases the GIL, so the event loop keeps serving other requests and streams meanwhile."""
+        if size < 16384:
+            return fn(*args)
+        # One thread: long texts wait their turn instead of taking every core from the streams.
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
@@ -162,7 +180,10 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
             return JSONResponse(error_body(503, f"shared state unavailable: {exc}"), status_code=503)
         log.exception("unhandled error on %s", request.url.path)
         ctx.metrics.error(500)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+        # Starlette re-raises after this response and the server then drops the connection: say
+        # so, or a keep-alive client would send its next request into a closed socket.
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500,
+                            headers={"Connection": "close"})
 
     # ---- generation --------------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from services.router.choices import ChoiceEvent
 from services.router.errors import bad_request
 from services.router.generation import Generation
-from services.router.openai_schema import ChatCompletionRequest, parse_body, sampling_params
+from services.router.openai_schema import ChatCompletionRequest, check_no_tools, parse_body, sampling_params
 from services.router.responses import best_choices, respond, usage
 from services.sampling_params import MAX_LOGPROBS
 
@@ -19,11 +19,17 @@ async def create_chat_completion(ctx: "RouterContext", request):
     ctx.authorize(request)
     req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
+    check_no_tools(req)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
-    prompt_ids = render_prompt(ctx, req)
+    size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+               for m in req.messages)
+    prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No max_tokens in chat means "the rest of the context", as in vLLM.
     max_tokens = asked if asked is not None else ctx.info.max_model_len - len(prompt_ids)
@@ -35,13 +41,29 @@ async def create_chat_completion(ctx: "RouterContext", request):
                      stream=bool(req.stream))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
-                        (req.top_logprobs or 0) if req.logprobs else None)
+                        (req.top_logprobs or 0) if req.logprobs else None, echo_of(req))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
 
 
 # OpenAI's roles; "assistant" and "tool" content may be empty (a tool call without text).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text(content) -> str:
+    if isinstance(content, list):
+        return "\n".join(p.text or "" for p in content)     # as vLLM joins text parts
+    return content or ""
+
+
+def echo_of(req: ChatCompletionRequest) -> str:
+    """With echo, the last message's text when it is of the role being answered (as vLLM: the
+    assistant, or with add_generation_prompt false the last message's own role)."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    return _text(last.content) if last.role == role else ""
 
 
 def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]:
@@ -52,31 +74,31 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
                               f"messages[{i}].role")
         if m.content is None and m.role in ("system", "user", "developer"):
             raise bad_request(f"messages[{i}] ({m.role}) needs content", f"messages[{i}].content")
-        content = m.content
-        if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise bad_request("only text content parts are supported", f"messages[{i}].content")
-            content = "".join(p.text or "" for p in content)
-        messages.append({"role": m.role, "content": content or ""})
+        if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+            raise bad_request("only text content parts are supported", f"messages[{i}].content")
+        messages.append({"role": m.role, "content": _text(m.content)})
     tok = ctx.info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                                       continue_final_message=req.continue_final_message)
     except Exception as e:  # jinja raises its own types for templates that reject the messages
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
     # Templates that write the BOS themselves must not get a second one from the tokenizer.
     bos = ctx.info.bos_token
-    ids = ctx.tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
+    ids = ctx.tokenize(text, add_special_tokens=not (bos and text.startswith(bos)), param="messages")
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
     return ids
 
 
 class ChatFormatter:
-    def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None):
+    def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None,
+                 echo: str = ""):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
         self.top = top_logprobs          # None: no logprobs asked
+        self.echo = echo                 # text every choice starts with (chat echo)
         self.created = int(time.time())
 
     def _base(self) -> dict:
@@ -94,7 +116,7 @@ class ChatFormatter:
                             for e in entries]}
 
     def start_chunks(self) -> list[dict]:
-        return [{**self._base(), "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+        return [{**self._base(), "choices": [{"index": c.index, "delta": {"role": "assistant", "content": self.echo},
                                               "logprobs": None, "finish_reason": None}]}
                 for c in self.gen.all_choices]
 
@@ -105,7 +127,8 @@ class ChatFormatter:
                 continue
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "delta": {"content": ev.text} if ev.text else {},
-                "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason}]})
+                "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason,
+                "stop_reason": ev.stop_reason}]})
         return out
 
     def usage_chunk(self) -> dict:
@@ -114,8 +137,8 @@ class ChatFormatter:
     def final(self) -> dict:
         picked = best_choices(self.gen, self.n)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                "choices": [{"index": i, "message": {"role": "assistant", "content": self.echo + c.text},
                              "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                             "stop_reason": c.stops.matched}
+                             "stop_reason": c.stop_reason}
                             for i, c in enumerate(picked)],
                 "usage": usage(self.gen, picked)}

@@ -29,6 +29,7 @@ class ChoiceEvent:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_new_tokens: int = 0
+    stop_reason: str | int | None = None     # the stop string or stop token id that ended it
 
     def says_nothing(self, with_logprobs: bool) -> bool:
         """No text, no end, and no logprobs a client asked for: nothing to send in a stream."""
@@ -37,12 +38,16 @@ class ChoiceEvent:
 
 class ChoiceState:
     def __init__(self, index: int, detokenizer: IncrementalDetokenizer, stops: StopStrings,
-                 stop_token_ids: set[int]):
+                 eos_token_ids: set[int], stop_token_ids: set[int], min_tokens: int = 0):
         self.index = index
         self.detok = detokenizer
         self.stops = stops
-        # Tokens that end a sequence with "stop" (EOS, stop_token_ids): counted, never shown (as vLLM).
+        # Tokens that end a sequence with "stop": EOS and stop_token_ids. Counted; shown only with
+        # include_stop_str_in_output (as vLLM); a stop_token_id is the choice's stop_reason.
+        self.eos_token_ids = eos_token_ids
         self.stop_token_ids = stop_token_ids
+        self.min_tokens = min_tokens       # stop strings may end only in text of later tokens
+        self.stop_reason: str | int | None = None
         self.token_ids: list[int] = []
         self.text = ""
         self.decoded_len = 0
@@ -65,17 +70,19 @@ class ChoiceState:
                                  self.decoded_len)
             self.logprobs.append(entry)
             new_lps.append(entry)
-            is_stop_token = k == len(ids) - 1 and delta.finish_reason == "stop" and tid in self.stop_token_ids
-            if is_stop_token:
-                continue
+            if k == len(ids) - 1 and delta.finish_reason == "stop":
+                if tid in self.stop_token_ids:
+                    self.stop_reason = tid
+                if (tid in self.stop_token_ids or tid in self.eos_token_ids) and not self.stops.include:
+                    continue
             piece = self.detok.push(tid)
             self.decoded_len += len(piece)
-            out, matched = self.stops.feed(piece)
+            out, matched = self.stops.feed(piece, len(self.token_ids) > self.min_tokens)
             parts.append(out)
             if matched:
                 break      # tokens after the one that completed a stop string are dropped
         if matched:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.stops.matched
         elif delta.finish_reason is not None:
             tail = self.detok.flush()
             self.decoded_len += len(tail)
@@ -84,10 +91,12 @@ class ChoiceState:
             if not matched:
                 parts.append(self.stops.flush())
             self.finish_reason = "stop" if matched else delta.finish_reason
+            if matched:
+                self.stop_reason = self.stops.matched
         self.cumulative_logprob = delta.cumulative_logprob
         text = "".join(parts)
         self.text += text
-        return ChoiceEvent(self.index, text, new_lps, self.finish_reason, len(new_lps))
+        return ChoiceEvent(self.index, text, new_lps, self.finish_reason, len(new_lps), self.stop_reason)
 
     def finish(self, reason: str) -> ChoiceEvent:
         """End the choice from the router's side (its request ended without a word on it)."""
@@ -96,7 +105,9 @@ class ChoiceState:
         text = out + ("" if matched else self.stops.flush())
         self.text += text
         self.finish_reason = "stop" if matched else reason
-        return ChoiceEvent(self.index, text, [], self.finish_reason)
+        if matched:
+            self.stop_reason = self.stops.matched
+        return ChoiceEvent(self.index, text, [], self.finish_reason, 0, self.stop_reason)
 
 
 def _at(values, k):

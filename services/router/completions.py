@@ -22,7 +22,8 @@ async def create_completion(ctx: "RouterContext", request):
         raise bad_request("suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", "echo")
-    prompts = tokenize_prompts(ctx, req.prompt)
+    size = sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt) if isinstance(p, str))
+    prompts = await ctx.off_loop(tokenize_prompts, ctx, req.prompt, size=size)
     longest = max(len(p) for p in prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else ctx.info.max_model_len - longest
     ctx.check_length(longest, max_tokens, "prompt")
@@ -103,7 +104,7 @@ class CompletionFormatter:
                 continue
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs),
-                "finish_reason": ev.finish_reason}]})
+                "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}]})
         return out
 
     def usage_chunk(self) -> dict:
@@ -115,5 +116,5 @@ class CompletionFormatter:
         for i, c in enumerate(picked):
             prefix = self.echo[self._prompt_of(c.index)] if self.echo else ""
             choices.append({"index": i, "text": prefix + c.text, "logprobs": self._logprobs(c.logprobs),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stops.matched})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**self._base(), "choices": choices, "usage": usage(self.gen, picked)}

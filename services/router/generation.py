@@ -46,13 +46,16 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.kind = kind
-        self.backend_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        # '#' is not allowed in a client's X-Request-Id, so a client cannot name another request's
+        # backend request (and take over its updates).
+        self.backend_ids = [request_id] if len(prompts) == 1 else [f"{request_id}#{i}" for i in range(len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(ctx.info.eos_token_ids))
+        stop_ids = set(params.stop_token_ids)
+        eos_ids = set() if params.ignore_eos else set(ctx.info.eos_token_ids)
         self.choices: list[list[ChoiceState]] = [
             [ChoiceState(p * params.n + i,
                          IncrementalDetokenizer(ctx.decode, ids, params.skip_special_tokens),
-                         StopStrings(params.stop, include_stop_str), stop_ids)
+                         StopStrings(params.stop, include_stop_str), eos_ids, stop_ids, params.min_tokens)
              for i in range(params.n)]
             for p, ids in enumerate(prompts)]
         self.done: set[int] = set()          # prompt indices whose backend request is over
@@ -90,24 +93,43 @@ class Generation:
         except SchedulerUnavailable as e:
             self.close(APIError(503, str(e)))
             raise self.error from None
+        except BaseException:
+            # Whatever failed (an unencodable message, a cancelled task), the record, the
+            # subscriptions and the prompts already sent must not outlive this request.
+            self.abort()
+            self.close(APIError(500, "internal error"))
+            raise
 
     # ---- follow --------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[list[ChoiceEvent]]:
         """Yields the choice events of each scheduler update until every choice is over.
 
         Raises APIError for a rejected or failed request, ClientDisconnected if the client left."""
+        held = None
         while len(self.done) < len(self.prompts):
-            msg = await self.queue.get()
-            if isinstance(msg, _Disconnected):
-                raise ClientDisconnected()
-            if isinstance(msg, Failure):
-                raise self._fail(APIError(msg.status, msg.message))
-            if isinstance(msg, protocol.Error):
-                raise self._fail(APIError(msg.code if 400 <= msg.code < 600 else 500, msg.message, msg.param))
-            if isinstance(msg, Buffered):
-                yield self._apply(msg.update, msg.first_token_at, msg.last_token_at)
-            else:
-                yield self._apply(msg)
+            msg, held = held or await self.queue.get(), None
+            events = self._handle(msg)
+            # Updates that queued up while the client was being written to go out as one batch
+            # (a stream writes a batch at once); a failure or disconnect waits for the next round
+            # so the text before it is sent first.
+            while len(self.done) < len(self.prompts) and not self.queue.empty():
+                msg = self.queue.get_nowait()
+                if not isinstance(msg, (protocol.RequestUpdate, Buffered)):
+                    held = msg
+                    break
+                events = events + self._handle(msg)
+            yield events
+
+    def _handle(self, msg) -> list[ChoiceEvent]:
+        if isinstance(msg, _Disconnected):
+            raise ClientDisconnected()
+        if isinstance(msg, Failure):
+            raise self._fail(APIError(msg.status, msg.message))
+        if isinstance(msg, protocol.Error):
+            raise self._fail(APIError(msg.code if 400 <= msg.code < 600 else 500, msg.message, msg.param))
+        if isinstance(msg, Buffered):
+            return self._apply(msg.update, msg.first_token_at, msg.last_token_at)
+        return self._apply(msg)
 
     def _apply(self, update: protocol.RequestUpdate, first_at: float | None = None,
                last_at: float | None = None) -> list[ChoiceEvent]:

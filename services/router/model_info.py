@@ -16,9 +16,17 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
 
+    max_token_chars: int = 64      # the longest token's text: a bound on characters per token
+
     @property
     def bos_token(self) -> str | None:
         return getattr(self.tokenizer, "bos_token", None)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Past this many characters a text cannot fit in the context, whatever it tokenizes to
+        (4x slack for normalizers that shrink text); longer texts are refused before tokenizing."""
+        return 4 * self.max_token_chars * self.max_model_len
 
 
 def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelInfo:
@@ -33,4 +41,5 @@ def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelIn
     except Exception as e:  # missing or invalid tokenizer files raise several types
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from None
     limit = min(max_model_len or spec.max_model_len, spec.max_model_len)
-    return ModelInfo(str(model_dir), tokenizer, limit, tuple(spec.eos_token_ids), spec.vocab_size)
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return ModelInfo(str(model_dir), tokenizer, limit, tuple(spec.eos_token_ids), spec.vocab_size, longest)

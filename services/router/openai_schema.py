@@ -7,6 +7,7 @@ field; unknown fields are ignored, as vLLM does, so newer clients keep working.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -50,6 +51,15 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output and prompt logprobs are not served here: declared so that asking for them
+    # is a clear 400, not text that silently ignores the constraint.
+    response_format: dict | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -78,6 +88,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    # Tool calling is not served: declared so that asking for it is a clear 400.
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -94,13 +111,23 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise validation_error(e.errors()) from None
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|[A-Z]\w*)$")
+
+
 def validation_error(errors: list) -> APIError:
     """pydantic/FastAPI error list -> one 400 naming the first offending field."""
     if not errors:
         return bad_request("Invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = loc[0] if loc else None
+    # The full path (messages[0].role), cut at pydantic's first union-member tag (str, list[int], ...).
+    loc = []
+    for p in first.get("loc", ()):
+        if p == "body":
+            continue
+        if isinstance(p, str) and _UNION_TAG.match(p):
+            break
+        loc.append(f"[{p}]" if isinstance(p, int) else ("." if loc else "") + str(p))
+    param = "".join(loc) if loc else None
     if first.get("type") == "json_invalid":
         return bad_request(f"The request body is not valid JSON: {first.get('msg')}")
     if first.get("type") == "missing":
@@ -115,6 +142,15 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    for name in _NOT_SERVED:
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name} is not supported by this server (no structured output or prompt "
+                              f"logprobs)", name)
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported "
+                          f"(no structured output); only 'text'", "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be given when stream is true", "stream_options")
     if req.n < 1:
         raise bad_request(f"n must be at least 1, got {req.n}", "n")
     best_of = req.best_of if req.best_of is not None else req.n
@@ -141,6 +177,25 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         param = {"beam_width": "best_of"}.get(e.param, e.param)
         raise bad_request(e.message, param) from None
     return params, req.n
+
+
+_NOT_SERVED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+               "prompt_logprobs")
+
+
+def check_no_tools(req: ChatCompletionRequest) -> None:
+    """Tool calling is not served: tools are fine only with tool_choice "none" (as vLLM without a
+    tool parser); anything that asks the model to call one is a 400."""
+    if req.functions or req.function_call not in (None, "none"):
+        raise bad_request("functions are not supported; this server does no tool calling", "functions")
+    choice = req.tool_choice
+    if req.tools:
+        if choice != "none":
+            raise bad_request('tool calling is not supported; send tools only with tool_choice "none"',
+                              "tool_choice")
+    elif choice not in (None, "none", "auto"):
+        raise bad_request(f"tool_choice {choice!r} needs tools, and this server does no tool calling",
+                          "tool_choice")
 
 
 def _default(value, default):

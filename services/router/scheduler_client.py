@@ -147,6 +147,8 @@ class SchedulerClient:
     def subscribe(self, request_id: str, queue: asyncio.Queue, buffered: bool = False) -> None:
         """Updates for request_id go to queue: each as it comes, or (buffered) merged into one
         Buffered at the end; errors and failures always at once."""
+        if request_id in self.subscribers:
+            raise ValueError(f"request {request_id!r} already has a subscriber")
         self.subscribers[request_id] = queue
         if buffered:
             self.merging[request_id] = _Merge()

@@ -93,6 +93,11 @@ class Scheduler:
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise SchedulerError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context is "
                                  f"{self.config.max_model_len} including at least one generated token")
+        width = max(params.n, params.beam_width)
+        if width > self.config.max_num_seqs:
+            # It would wait forever at the head of the queue (and every request behind it).
+            raise SchedulerError(f"the request runs {width} sequences at once; this engine runs at most "
+                                 f"{self.config.max_num_seqs} (max_num_seqs)")
         if len(prompt_token_ids) + 1 > self._capacity_tokens:
             raise SchedulerError(f"the prompt needs {len(prompt_token_ids) + 1} KV slots; "
                                  f"the whole device pool has {self._capacity_tokens}")
