@@ -64,6 +64,8 @@ class SamplingParams:
     early_stopping: bool | str = False
     cache_salt: str | None = None
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100]).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def use_beam_search(self) -> bool:
@@ -161,6 +163,16 @@ class SamplingParams:
                 "cache_salt", f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}")
         if self.cache_salt is not None:
             _require_utf8("cache_salt", self.cache_salt)
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias", f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            _require_int("logit_bias", token_id)
+            _require_number("logit_bias", bias)
+            if not 0 <= token_id <= _INT_MAX or not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError("logit_bias", f"logit_bias needs token ids >= 0 and biases in "
+                                                        f"[-100, 100], got {token_id}: {bias}")
+        if self.logit_bias and self.use_beam_search:
+            raise SamplingParamsError("logit_bias", "logit_bias does not apply to beam search")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +181,7 @@ class SamplingParams:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, (list, tuple)) else value
+        out["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]   # msgpack maps want str keys
         return out
 
     @classmethod
@@ -182,6 +195,12 @@ class SamplingParams:
             if key not in known:
                 raise SamplingParamsError(str(key), f"unknown sampling parameter {key!r}")
         kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+        if "logit_bias" in kwargs:
+            pairs = kwargs["logit_bias"]
+            if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                               for p in pairs):
+                raise SamplingParamsError("logit_bias", f"logit_bias must be [[token id, bias], ...], got {pairs!r}")
+            kwargs["logit_bias"] = {t: b for t, b in pairs}
         return cls(**kwargs).validate()
 
 

@@ -305,6 +305,13 @@ def test_request_longer_than_pool_rejected_others_continue(make_engine):
     assert len(out[0].outputs[0].token_ids) > 0
 
 
+def test_logit_bias_steers_every_token(make_engine):
+    engine = make_engine(num_device_blocks=32)
+    out = engine.generate(["x y"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                  logit_bias={77: 100.0}))
+    assert out[0].outputs[0].token_ids == [77] * 4
+
+
 def test_request_wider_than_max_num_seqs_rejected_not_left_waiting(make_engine):
     engine = make_engine(num_device_blocks=64, max_num_seqs=4)
     for params in (SamplingParams(n=5, max_tokens=2), SamplingParams(n=2, beam_width=5, max_tokens=2)):

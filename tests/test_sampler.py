@@ -319,3 +319,17 @@ def test_min_tokens_masks_every_eos_id_given():
     assert sample(logits, [row(**params)], eos_token_id=(1, 2)).token_ids == [3]
     assert sample(logits, [row(**params)], eos_token_id=[1]).token_ids == [2]
     assert sample(logits, [row(**params)], eos_token_id=None).token_ids == [1]
+
+
+def test_logit_bias_moves_greedy_and_leaves_returned_logprobs_raw():
+    logits = random_logits(3)
+    best = logits.argmax(dim=-1).tolist()
+    worst = logits.argmin(dim=-1).tolist()
+    rows = [row(temperature=0, logit_bias={worst[0]: 100.0}), row(temperature=0, logit_bias={best[1]: -100.0}),
+            row(temperature=0, logit_bias={V + 5: 100.0})]       # past the vocabulary: no effect
+    out = sample(logits, rows, eos_token_id=None)
+    assert out.token_ids[0] == worst[0]
+    assert out.token_ids[1] == logits[1].clone().index_fill_(0, torch.tensor([best[1]]), -1e9).argmax().item()
+    assert out.token_ids[2] == best[2]
+    raw = compute_logprobs(logits)
+    assert out.logprobs[0] == pytest.approx(raw[0, worst[0]].item(), abs=1e-5)

@@ -135,7 +135,7 @@ def test_round_trip_through_dict_and_msgpack():
                        min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
                        seed=1234, logprobs=5, stop=["END", "\n"], stop_token_ids=[2, 9],
                        ignore_eos=True, beam_width=1, length_penalty=0.8, early_stopping="never",
-                       cache_salt="salt", skip_special_tokens=False).validate()
+                       cache_salt="salt", skip_special_tokens=False, logit_bias={7: -100.0, 3: 2.5}).validate()
     wire = p.to_dict()
     assert set(wire) == {f.name for f in dataclasses.fields(SamplingParams)}
     assert all(_wire_types_only(v) for v in wire.values())
@@ -169,3 +169,15 @@ def test_module_does_not_import_torch():
     # The router and the scheduler import it: keep torch (4 s to import) out of their start-up.
     code = "import sys, services.sampling_params; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {5: 101.0}, {5: float("nan")}, {"5": 1.0}, {5: "x"}, [[5, 1.0]]])
+def test_bad_logit_bias_rejected(bias):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(logit_bias=bias).validate()
+    assert e.value.param == "logit_bias"
+
+
+def test_logit_bias_with_beam_search_rejected():
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(beam_width=2, logit_bias={5: 1.0}).validate()

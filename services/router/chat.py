@@ -35,7 +35,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
     max_tokens = asked if asked is not None else ctx.info.max_model_len - len(prompt_ids)
     ctx.check_length(len(prompt_ids), max_tokens, "messages")
     params, n = sampling_params(req, max_tokens=max_tokens,
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                vocab_size=ctx.info.vocab_size)
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream))

@@ -27,7 +27,7 @@ async def create_completion(ctx: "RouterContext", request):
     longest = max(len(p) for p in prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else ctx.info.max_model_len - longest
     ctx.check_length(longest, max_tokens, "prompt")
-    params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.info.vocab_size)
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
                      stream=bool(req.stream))

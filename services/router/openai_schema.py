@@ -136,12 +136,16 @@ def validation_error(errors: list) -> APIError:
     return bad_request(f"Invalid value for {where}: {first.get('msg')}", param)
 
 
-def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> tuple[SamplingParams, int]:
+def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    vocab_size: int) -> tuple[SamplingParams, int]:
     """The request's SamplingParams (validated) and how many choices the client gets back.
 
     params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned)."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    logit_bias = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids below {vocab_size}, got {key!r}", "logit_bias")
+        logit_bias[int(key)] = bias
     for name in _NOT_SERVED:
         if getattr(req, name) is not None:
             raise bad_request(f"{name} is not supported by this server (no structured output or prompt "
@@ -170,7 +174,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         seed=req.seed, logprobs=logprobs, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, beam_width=best_of if req.use_beam_search else 1,
         length_penalty=req.length_penalty, early_stopping=req.early_stopping,
-        cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens)
+        cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias)
     try:
         params = SamplingParams(**fields).validate()
     except SamplingParamsError as e:

@@ -1,7 +1,7 @@
 """The worker's sampler: turns one step's logits into one token per sequence. Pure torch, no I/O.
 
 This module owns the order and arithmetic of logit processing (vLLM's):
-    min_tokens (mask EOS and stop_token_ids) -> repetition penalty (prompt + output tokens)
+    min_tokens (mask EOS and stop_token_ids) -> logit_bias -> repetition penalty (prompt + output tokens)
     -> frequency and presence penalties (output tokens) -> greedy rows: argmax
     -> other rows: temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
 Returned logprobs are those of the raw model distribution (log_softmax of the logits before any
@@ -104,6 +104,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Se
     else:
         eos_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     _apply_min_tokens(processed, rows, eos_ids)
+    _apply_logit_bias(processed, rows)
     _apply_repetition_penalty(processed, rows)
     _apply_frequency_presence_penalties(processed, rows)
 
@@ -146,6 +147,23 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_ids: tu
         tok_idx.extend(banned)
     if row_idx:
         logits[_index(row_idx, logits.device), _index(tok_idx, logits.device)] = float("-inf")
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each row's logit_bias to its tokens' logits (in place); ids past the vocabulary are skipped."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    biases: list[float] = []
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        for token_id, bias in r.params.logit_bias.items():
+            if token_id < vocab:
+                row_idx.append(i)
+                tok_idx.append(token_id)
+                biases.append(bias)
+    if row_idx:
+        rows_t, toks_t = _index(row_idx, logits.device), _index(tok_idx, logits.device)
+        logits[rows_t, toks_t] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
