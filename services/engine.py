@@ -123,9 +123,9 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        for p in plist:
-            p.validate()
         ids = [self.tokenize(p) for p in prompts]
+        for i, p in zip(ids, plist):
+            self.scheduler.check_request(i, p)
         order = [self.add_request(i, p) for i, p in zip(ids, plist)]
         while self.scheduler.has_unfinished():
             self.step()

@@ -106,9 +106,17 @@ class SamplingParams:
         if self.use_beam_search and self.n > self.beam_width:
             raise SamplingParamsError(
                 "n", f"n ({self.n}) must not exceed beam_width ({self.beam_width}) in beam search")
-        if self.use_beam_search and self.logprobs is not None:
+        if self.use_beam_search:
+            # Beam search ranks raw log-probabilities (as transformers' beam search without logits
+            # processors) and stops on EOS and length only; what it would ignore is refused.
             # Beams are re-ranked every step; their per-token logprobs are not tracked (yet).
-            raise SamplingParamsError("logprobs", "logprobs are not returned with beam search")
+            ignored = [name for name, on in (
+                ("logprobs", self.logprobs is not None), ("stop_token_ids", bool(self.stop_token_ids)),
+                ("min_tokens", self.min_tokens > 0), ("repetition_penalty", self.repetition_penalty != 1.0),
+                ("frequency_penalty", self.frequency_penalty != 0.0),
+                ("presence_penalty", self.presence_penalty != 0.0)) if on]
+            if ignored:
+                raise SamplingParamsError(ignored[0], f"{ignored[0]} is not supported with beam search")
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

@@ -326,9 +326,73 @@ def test_request_that_outgrows_pool_is_aborted_not_retried(make_engine):
     out = engine.generate([list(range(10, 30)), "x"],
                           [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), GREEDY])
     assert out[0].error and out[0].outputs[0].finish_reason == "abort"
+    # step() reports it too (the served stack tells its client from that), though no model ran for it.
+    rid = engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    ended = []
+    while engine.scheduler.has_unfinished():
+        ended += [r.request_id for r in engine.step()]
+    assert ended == [rid] and engine.scheduler.requests[rid].error
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_samples_back_from_preemption_share_their_prompt_again(make_engine, mode):
+    """An n=3 request fits only because its samples share the prompt's blocks. Preempted (by
+    recompute, or by swap and then swapped in), it comes back sharing them and finishes; it used
+    to be aborted as "does not fit" after it had produced tokens."""
+    import random
+    rng = random.Random(0)
+    a = [1] + [rng.randrange(7, 500) for _ in range(40)]
+    b = [1] + [rng.randrange(7, 500) for _ in range(95)]      # 96 tokens: 6 full blocks
+    alone = make_engine(num_device_blocks=64).generate(
+        [b], SamplingParams(max_tokens=20, temperature=0, n=3, ignore_eos=True))[0]
+    engine = make_engine(num_device_blocks=15, preemption_mode=mode, enable_prefix_caching=False)
+    out = engine.generate([a, b], [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+                                   SamplingParams(max_tokens=20, temperature=0, n=3, ignore_eos=True)])
+    assert out[1].num_preemptions > 0 and out[1].error is None
+    assert [c.token_ids for c in out[1].outputs] == [c.token_ids for c in alone.outputs]
+    stats = engine.stats()
+    assert stats["device_blocks_used"] == 0 and stats["host_blocks_used"] == 0
+
+
+def test_swapped_samples_come_back_when_their_blocks_and_next_tokens_fit(make_engine):
+    """B (n=3) needs 7 of 9 blocks; swapped out for A, it must come back once A is done (the room
+    check used to ask a new block per sample even where their last blocks had free slots)."""
+    import random
+    rng = random.Random(0)
+    a = [1] + [rng.randrange(7, 500) for _ in range(30)]      # 31 tokens
+    b = [1] + [rng.randrange(7, 500) for _ in range(63)]      # 64 tokens: 4 full blocks
+    engine = make_engine(num_device_blocks=9, preemption_mode="swap", enable_prefix_caching=False)
+    out = engine.generate([a, b], [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                                   SamplingParams(max_tokens=10, temperature=0, n=3, ignore_eos=True)])
+    assert out[1].error is None and out[1].num_preemptions == 1
+    assert [len(c.token_ids) for c in out[1].outputs] == [10, 10, 10]
+
+
+def test_generate_queues_nothing_when_one_prompt_can_never_fit(make_engine):
+    engine = make_engine(num_device_blocks=4)               # 64 slots
+    with pytest.raises(SchedulerError):
+        engine.generate([[1, 50, 60], list(range(10, 90))], GREEDY)
+    assert not engine.scheduler.requests and not engine.scheduler.has_unfinished()
 
 
 def test_config_rejects_bad_values(tiny_llama):
     for bad in (dict(block_size=12), dict(num_device_blocks=0), dict(preemption_mode="later")):
         with pytest.raises(ConfigError):
             Engine(EngineConfig(model=tiny_llama, **bad))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 64}])
+def test_rope_scaling_that_cached_kv_cannot_follow_is_refused(tiny_llama, tmp_path, rope):
+    import json
+    import shutil
+    from services.worker.model_loader import ModelLoadError, inspect_model_dir
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rope_scaling"] = rope
+    cfg.pop("rope_parameters", None)
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="RoPE scaling"):
+        inspect_model_dir(model)

@@ -181,3 +181,12 @@ def test_bad_logit_bias_rejected(bias):
 def test_logit_bias_with_beam_search_rejected():
     with pytest.raises(SamplingParamsError):
         SamplingParams(beam_width=2, logit_bias={5: 1.0}).validate()
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", 1), ("stop_token_ids", [5]), ("min_tokens", 2),
+                                         ("repetition_penalty", 1.2), ("frequency_penalty", 0.5),
+                                         ("presence_penalty", -0.5)])
+def test_what_beam_search_would_ignore_is_refused(field, value):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(beam_width=2, max_tokens=4, **{field: value}).validate()
+    assert e.value.param == field

@@ -50,6 +50,7 @@ class ScheduledStep:
     preempted: list[Request] = field(default_factory=list)
     pending_forks: dict[int, list[Sequence]] = field(default_factory=dict)   # parent seq id -> n-1 samples
     step_requests: list[Request] = field(default_factory=list)   # the request of each entry of steps
+    aborted: list[Request] = field(default_factory=list)   # ended while scheduling (they can never fit)
 
     @property
     def is_empty(self) -> bool:
@@ -83,11 +84,9 @@ class Scheduler:
 
     # ---- requests in and out ------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise SamplingParamsError / SchedulerError for a request this engine can never serve."""
         params.validate()
-        if request_id in self.requests:
-            raise SchedulerError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise SchedulerError("the prompt is empty")
         if len(prompt_token_ids) >= self.config.max_model_len:
@@ -101,6 +100,12 @@ class Scheduler:
         if len(prompt_token_ids) + 1 > self._capacity_tokens:
             raise SchedulerError(f"the prompt needs {len(prompt_token_ids) + 1} KV slots; "
                                  f"the whole device pool has {self._capacity_tokens}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        self.check_request(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise SchedulerError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params,
                       self.clock() if arrival_time is None else arrival_time,
                       cache_salt=(params.cache_salt,) if params.cache_salt else ())
@@ -294,12 +299,12 @@ class Scheduler:
             if self._num_live_seqs() + len(ids) > self.config.max_num_seqs:
                 break
             # Room for the blocks coming back plus one new block per sequence for its next token.
-            if not self.store.can_swap_in(ids) or not self._room_after_swap_in(ids):
+            if not self.store.can_swap_in(ids) or not self._room_after_swap_in(req):
                 if not self.running:
                     # Nothing else holds device memory: it can never come back.
                     self.swapped.popleft()
-                    req.error = "the request outgrew the KV cache even with nothing else running"
-                    self._finish(req, "abort")
+                    self._abort_unservable(req, "the request outgrew the KV cache even with nothing else running",
+                                           out)
                     continue
                 break
             result = self.store.swap_in(ids)
@@ -311,9 +316,30 @@ class Scheduler:
             self.running.append(req)
             self._schedule_request(req, out, budget)
 
-    def _room_after_swap_in(self, ids: list[int]) -> bool:
-        need = len({b for i in ids for b in self.store.block_table(i)})
-        return self.store.num_free_device_blocks >= need + len(ids)
+    def _room_after_swap_in(self, req: Request) -> bool:
+        """Room for the blocks coming back and for every sequence's next token: a new block where
+        the last one is full, a copy where it is shared (copy-on-write)."""
+        bs, store = self.store.block_size, self.store
+        tables = [store.block_table(s.seq_id) for s in req.seqs]
+        need = len({b for t in tables for b in t})
+        last_users: dict[int, int] = {}
+        for t in tables:
+            if t:
+                last_users[t[-1]] = last_users.get(t[-1], 0) + 1
+        for seq, table in zip(req.seqs, tables):
+            # The slot the next step writes: the last sampled token's, if it has none yet.
+            num_tokens = store.num_tokens(seq.seq_id)
+            pending = seq.num_tokens - num_tokens          # 1 while the last token awaits its slot
+            if pending and (num_tokens % bs == 0 or last_users.get(table[-1], 0) > 1):
+                need += 1
+        return store.num_free_device_blocks >= need
+
+    def _abort_unservable(self, req: Request, why: str, out: ScheduledStep) -> None:
+        """End a request that can never fit; it goes out with this step, so its router hears of it."""
+        req.error = why
+        self._finish(req, "abort")
+        out.aborted.append(req)
+        out.requests.append(req)
 
     def _schedule_waiting(self, out: ScheduledStep, budget: list[int]) -> None:
         while self.waiting and budget[0] > 0:
@@ -325,8 +351,8 @@ class Scheduler:
                 if not self.running and not self.swapped:
                     # Nothing else holds memory: this request can never fit.
                     self.waiting.popleft()
-                    req.error = "the request does not fit in the KV cache even with nothing else running"
-                    self._finish(req, "abort")
+                    self._abort_unservable(
+                        req, "the request does not fit in the KV cache even with nothing else running", out)
                     continue
                 break
             self.waiting.popleft()
@@ -336,6 +362,8 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Allocate every live sequence of the request (prompt, plus output after a recompute)."""
+        if len(req.seqs) > 1 and len(req.prompt_token_ids) >= self.store.block_size:
+            return self._admit_sharing_prompt(req)
         done: list[Sequence] = []
         for seq in req.seqs:
             result = self.store.allocate(seq.seq_id, seq.all_token_ids(), req.cache_salt)
@@ -348,6 +376,29 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = max(req.num_cached_tokens, result.num_cached_tokens)
             done.append(seq)
+        return True
+
+    def _admit_sharing_prompt(self, req: Request) -> bool:
+        """Several sequences back after a recompute (samples, beams): they share the prompt's full
+        blocks again, as they did before, instead of each allocating the whole prompt (which may
+        need n times the memory the request ran in). Each then grows by its own tokens."""
+        store, seqs = self.store, req.seqs
+        shared = len(req.prompt_token_ids) // store.block_size * store.block_size
+        first = seqs[0]
+        tokens = [s.all_token_ids() for s in seqs]
+        ok = store.allocate(first.seq_id, tokens[0][:shared], req.cache_salt)
+        if not ok.ok:
+            return False
+        for s in seqs[1:]:
+            store.fork(first.seq_id, s.seq_id)
+        for s, toks in zip(seqs, tokens):
+            if not store.append_slots(s.seq_id, toks[shared:]).ok:
+                for d in seqs:
+                    if d.seq_id in store:
+                        store.free(d.seq_id)
+                return False
+        for s in seqs:   # every sequence writes its own K/V past the cached blocks (equal values
+            s.num_computed = ok.num_cached_tokens   # where blocks are shared)
         return True
 
     # ---- preemption ---------------------------------------------------------------------
@@ -406,7 +457,7 @@ class Scheduler:
                 if before // bs != after // bs:
                     store.mark_computed(seq.seq_id, after)
         by_seq = {r.seq_id: r for r in results}
-        finished: list[Request] = []
+        finished: list[Request] = list(scheduled.aborted)
         for req in scheduled.requests:
             if req.status is FINISHED:
                 continue

@@ -82,6 +82,13 @@ def inspect_model_dir(model_dir: str | Path):
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+    from services.worker.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+    rope_type = rope_type_of(cfg)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        # dynamic and longrope change every position's rotation with the sequence's length, which
+        # K/V already in the cache cannot follow: refused rather than served wrongly.
+        raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported; supported: "
+                             f"{', '.join(sorted(SUPPORTED_ROPE_TYPES))}")
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     max_len = cfg.max_position_embeddings

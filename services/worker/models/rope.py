@@ -16,17 +16,26 @@ def _rope_parameters(cfg) -> dict:
     return params
 
 
+# Checked against transformers (positions past the original length included). dynamic and
+# longrope rescale with the sequence's current length, which cached K/V cannot follow.
+SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def rope_type_of(cfg) -> str:
+    return _rope_parameters(cfg).get("rope_type", "default")
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg, head_dim: int):
         super().__init__()
         params = _rope_parameters(cfg)
         rope_type = params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
         if rope_type == "default":
             base = params["rope_theta"]
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             scaling = 1.0
-        elif rope_type == "dynamic":
-            raise ValueError("dynamic RoPE scaling is not supported")
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
