@@ -47,11 +47,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     error: str | None = None
     num_preemptions: int = 0
+    # With params.prompt_logprobs: entry i = [logprob of prompt token i + 1, its rank, [[id, logprob], ...]].
+    prompt_logprobs: list | None = None
 
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
                 "outputs": [o.to_dict() for o in self.outputs], "error": self.error,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions, "prompt_logprobs": self.prompt_logprobs}
 
 
 def load_tokenizer(model_dir: str):
@@ -112,8 +114,9 @@ class Engine:
     def step(self) -> list[Request]:
         """One iteration: schedule, run the model, apply the results -> requests that finished."""
         scheduled = self.scheduler.schedule()
-        results = self.worker.execute(scheduled.steps, scheduled.samples) if scheduled.steps else []
-        return self.scheduler.update(scheduled, results)
+        prompt_logprobs: dict = {}
+        results = self.worker.execute(scheduled.steps, scheduled.samples, prompt_logprobs) if scheduled.steps else []
+        return self.scheduler.update(scheduled, results, prompt_logprobs)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -141,7 +144,8 @@ class Engine:
                                  s.cum_logprob, s.logprobs, s.top_logprobs if p.logprobs is not None else None,
                                  s.finish_reason)
                 for i, s in enumerate(seqs[:p.n])]
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.error, req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.error, req.num_preemptions,
+                             req.prompt_logprobs if p.prompt_logprobs is not None else None)
 
     def stats(self) -> dict:
         """Block-store counts plus the scheduler's (preemptions and why, swaps, recomputed tokens)."""

@@ -29,7 +29,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-VERSION = 2   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows
+VERSION = 3   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+#             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
 
 
 class ProtocolError(ValueError):
@@ -92,6 +93,8 @@ class RequestUpdate:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Once, when asked for: an entry [logprob, rank, [[id, logprob], ...]] per prompt token after the first.
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -189,6 +192,9 @@ class ExecuteStep:
     dropped_params: list[str] = field(default_factory=list)
     # Only for requests whose params use penalties: {seq_id: [prompt ids, output ids]}.
     histories: dict = field(default_factory=dict)
+    # Only for prefill chunks that want prompt logprobs: {seq_id: [k, the prompt token after the
+    # chunk or -1 at the prompt's end]}.
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -207,6 +213,9 @@ class StepResult:
     results: list[SampleResult]
     error: str | None = None
     elapsed: float = 0.0
+    # For the chunks of ExecuteStep.prompt_logprobs: {seq_id: [start position, entries]}, an entry
+    # [logprob, rank, [[id, logprob], ...]] per position whose next prompt token it scores.
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

@@ -66,6 +66,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100]).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # k >= 0: each prompt token's logprob given the tokens before it, plus the top-k alternatives
+    # (vLLM's prompt_logprobs; what completions' echo with logprobs shows for the prompt).
+    prompt_logprobs: int | None = None
 
     @property
     def use_beam_search(self) -> bool:
@@ -85,7 +88,7 @@ class SamplingParams:
         # Types first, so the range checks below can compare without surprises.
         for name in ("n", "max_tokens", "min_tokens", "top_k", "beam_width"):
             _require_int(name, getattr(self, name))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _require_int(name, value)
@@ -144,9 +147,10 @@ class SamplingParams:
                                       f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise SamplingParamsError("seed", f"seed must fit in 64 bits, got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError(
-                "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingParamsError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop", f"stop must be a list of strings, got {self.stop!r}")

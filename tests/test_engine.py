@@ -6,6 +6,7 @@ to empty and the block store's invariants hold.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine import Engine
 from services.engine_config import ConfigError, EngineConfig
@@ -396,3 +397,20 @@ def test_rope_scaling_that_cached_kv_cannot_follow_is_refused(tiny_llama, tmp_pa
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="RoPE scaling"):
         inspect_model_dir(model)
+
+
+def test_prompt_logprobs_match_transformers_through_chunks_and_cached_prefixes(tiny_llama, make_engine):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompts = [list(range(5, 60)), [7, 8, 9, 10], [3]]
+    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=4, num_device_blocks=16)
+    engine.generate([prompts[0][:40]], SamplingParams(max_tokens=2, temperature=0))   # cache its prefix
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3, n=2))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)     # [P, V]
+        assert len(out.prompt_logprobs) == len(p) - 1
+        for i, (lp, rank, top) in enumerate(out.prompt_logprobs):
+            assert lp == pytest.approx(ref[i, p[i + 1]].item(), abs=1e-5)
+            assert rank == int((ref[i] > ref[i, p[i + 1]]).sum()) + 1
+            assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()

@@ -316,7 +316,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 99999999]}, "prompt"),
@@ -336,7 +336,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
     ({"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
     ({"prompt": "many words " * 20000}, "prompt"),       # refused by its length, before tokenizing
 ]

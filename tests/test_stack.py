@@ -99,6 +99,31 @@ def test_n_and_logprobs(stack, tiny_llama):
     assert len(lp.token_logprobs) == len(lp.tokens) > 0 and all(len(t) == 2 for t in lp.top_logprobs)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(stack, tiny_llama, hf):
+    """Echo with logprobs (how lm-eval scores a text): the prompt's tokens come back with their
+    logprobs, which equal transformers' log_softmax, then the completion's."""
+    model, tok = hf
+    prompt = "def fibonacci(n):\n    return n"
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)     # [P, V]
+    got = client(stack.url).completions.create(model=tiny_llama, prompt=prompt, max_tokens=3, temperature=0,
+                                               echo=True, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
+        assert len(lp.top_logprobs[i]) >= 2
+    # vLLM's prompt_logprobs field, asked for by name (an extra field for the SDK).
+    body = client(stack.url).completions.create(model=tiny_llama, prompt=prompt, max_tokens=1,
+                                                extra_body={"prompt_logprobs": 1}).model_dump()
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert plp[1][str(ids[1])]["logprob"] == pytest.approx(ref[0, ids[1]].item(), abs=1e-4)
+    assert plp[1][str(ref[0].argmax().item())]["rank"] == 1
+
+
 def test_bad_request_gets_openai_error(stack, tiny_llama):
     import openai
     with pytest.raises(openai.BadRequestError) as e:

@@ -8,7 +8,7 @@ from services.router.choices import ChoiceEvent
 from services.router.errors import bad_request
 from services.router.generation import Generation
 from services.router.openai_schema import ChatCompletionRequest, check_no_tools, parse_body, sampling_params
-from services.router.responses import best_choices, respond, usage
+from services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from services.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
                      stream=bool(req.stream))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
-                        (req.top_logprobs or 0) if req.logprobs else None, echo_of(req))
+                        (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
+                        req.prompt_logprobs is not None)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
 
@@ -96,10 +97,11 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
 
 class ChatFormatter:
     def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None,
-                 echo: str = ""):
+                 echo: str = "", with_prompt_logprobs: bool = False):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
         self.top = top_logprobs          # None: no logprobs asked
         self.echo = echo                 # text every choice starts with (chat echo)
+        self.with_prompt_logprobs = with_prompt_logprobs
         self.created = int(time.time())
 
     def _base(self) -> dict:
@@ -142,4 +144,6 @@ class ChatFormatter:
                              "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason}
                             for i, c in enumerate(picked)],
-                "usage": usage(self.gen, picked)}
+                "usage": usage(self.gen, picked),
+                **({"prompt_logprobs": prompt_logprobs_json(self.gen, 0, self.ctx.token_texts.text)}
+                   if self.with_prompt_logprobs else {})}

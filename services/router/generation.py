@@ -67,6 +67,7 @@ class Generation:
         self.aborted = False
         self.closed = False
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)   # per prompt, when asked for
 
     @property
     def all_choices(self) -> list[ChoiceState]:
@@ -144,6 +145,8 @@ class Generation:
         if merged:   # its tokens arrived from first_at to last_at
             self._observe_span(first_at, last_at, max((len(d.token_ids) for d in update.outputs), default=0))
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = update.prompt_logprobs
         choices = self.choices[p]
         events = []
         new_tokens = 0

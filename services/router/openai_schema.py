@@ -59,7 +59,7 @@ class _SamplingFields(_Strict):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -137,7 +137,7 @@ def validation_error(errors: list) -> APIError:
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> tuple[SamplingParams, int]:
+                    vocab_size: int, prompt_logprobs: int | None = None) -> tuple[SamplingParams, int]:
     """The request's SamplingParams (validated) and how many choices the client gets back.
 
     params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned)."""
@@ -148,11 +148,12 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         logit_bias[int(key)] = bias
     for name in _NOT_SERVED:
         if getattr(req, name) is not None:
-            raise bad_request(f"{name} is not supported by this server (no structured output or prompt "
-                              f"logprobs)", name)
+            raise bad_request(f"{name} is not supported by this server (no structured output)", name)
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported "
                           f"(no structured output); only 'text'", "response_format")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs cannot be streamed", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be given when stream is true", "stream_options")
     if req.n < 1:
@@ -174,7 +175,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         seed=req.seed, logprobs=logprobs, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, beam_width=best_of if req.use_beam_search else 1,
         length_penalty=req.length_penalty, early_stopping=req.early_stopping,
-        cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias)
+        cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
     try:
         params = SamplingParams(**fields).validate()
     except SamplingParamsError as e:
@@ -183,8 +185,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     return params, req.n
 
 
-_NOT_SERVED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-               "prompt_logprobs")
+_NOT_SERVED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def check_no_tools(req: ChatCompletionRequest) -> None:

@@ -49,6 +49,20 @@ def best_choices(gen: Generation, n: int) -> list:
     return out
 
 
+def prompt_logprobs_json(gen: Generation, p: int, text) -> list | None:
+    """vLLM's prompt_logprobs of prompt p: None for its first token, then {id: {logprob, rank,
+    decoded_token}} for the token itself and its top alternatives."""
+    entries = gen.prompt_logprobs[p]
+    if entries is None:
+        return None
+    out: list = [None]
+    for tid, (lp, rank, top) in zip(gen.prompts[p][1:], entries):
+        d = {str(i): {"logprob": v, "rank": r, "decoded_token": text(i)} for r, (i, v) in enumerate(top, 1)}
+        d[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": text(tid)}
+        out.append(d)
+    return out
+
+
 async def respond(request, gen: Generation, fmt: Formatter, stream: bool, include_usage: bool,
                   headers: dict) -> Response:
     watcher = asyncio.create_task(watch_disconnect(request, gen))

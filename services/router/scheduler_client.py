@@ -46,6 +46,7 @@ class _Merge:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs = None
 
     def delta(self, index: int) -> protocol.CompletionDelta:
         d = self.outputs.get(index)
@@ -67,6 +68,8 @@ class _Merge:
 
     def add(self, update: protocol.RequestUpdate) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
         for new in update.outputs:
             d = self.delta(new.index)
             if new.token_ids:
@@ -84,7 +87,7 @@ class _Merge:
         self.add(final)
         merged = protocol.RequestUpdate(final.request_id, [self.outputs[i] for i in sorted(self.outputs)],
                                         final.finished, final.error, final.num_prompt_tokens,
-                                        self.num_cached_tokens)
+                                        self.num_cached_tokens, self.prompt_logprobs)
         return Buffered(merged, self.first_token_at, self.last_token_at)
 
 

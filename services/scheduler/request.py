@@ -79,6 +79,14 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0                               # prefix-cache hit at first admission
     cache_salt: tuple = ()
+    # params.prompt_logprobs: entry i scores prompt token i + 1 ([logprob, rank, [[id, logprob], ...]]).
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -265,7 +265,12 @@ class Scheduler:
                 continue
             budget[0] -= take
             start = seq.num_computed
-            out.steps.append(SeqStep(seq.seq_id, seq.token_slice(start, start + take), start, table(seq.seq_id)))
+            step = SeqStep(seq.seq_id, seq.token_slice(start, start + take), start, table(seq.seq_id))
+            if req.needs_prompt_logprobs and seq is seqs[0]:
+                prompt = req.prompt_token_ids
+                step.prompt_logprobs = req.params.prompt_logprobs
+                step.next_token = prompt[start + take] if start + take < len(prompt) else -1
+            out.steps.append(step)
             if take != n:
                 out.samples.append([])
             else:   # the cached draw when there is one (set only where it stays valid: see below)
@@ -372,7 +377,9 @@ class Scheduler:
                     self.store.free(d.seq_id)
                     d.num_computed = 0
                 return False
-            seq.num_computed = result.num_cached_tokens
+            # Prompt logprobs need every prompt position's logits: cached blocks are recomputed
+            # (into themselves, with the same values).
+            seq.num_computed = 0 if req.needs_prompt_logprobs else result.num_cached_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = max(req.num_cached_tokens, result.num_cached_tokens)
             done.append(seq)
@@ -443,9 +450,12 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------
 
-    def update(self, scheduled: ScheduledStep, results: list[SampleResult]) -> list[Request]:
+    def update(self, scheduled: ScheduledStep, results: list[SampleResult],
+               prompt_logprobs: dict | None = None) -> list[Request]:
         """Apply the worker's results; return the requests that finished in this step."""
         now = self.clock()
+        if prompt_logprobs:
+            self._add_prompt_logprobs(scheduled, prompt_logprobs)
         bs, store = self.store.block_size, self.store
         live = store.live_seq_ids()
         for seq, n in scheduled.computed:
@@ -482,6 +492,18 @@ class Scheduler:
             if req.status is FINISHED:
                 finished.append(req)
         return finished
+
+    def _add_prompt_logprobs(self, scheduled: ScheduledStep, prompt_logprobs: dict) -> None:
+        """{seq_id: [start position, entries]} from the worker -> each request's prompt_logprobs
+        (positions past the prompt, in a recompute's chunk, are not the prompt's)."""
+        for step, req in zip(scheduled.steps, scheduled.step_requests):
+            got = prompt_logprobs.get(step.seq_id)
+            if got is None or req.status is FINISHED:
+                continue
+            start, entries = got
+            limit = len(req.prompt_token_ids) - 1
+            if start <= len(req.prompt_logprobs):
+                req.prompt_logprobs[start:] = entries[:max(0, limit - start)]
 
     def _fork_samples(self, req: Request, wanted: list[Sequence], pending_forks: dict) -> None:
         """The prompt is computed: its n - 1 other samples share its blocks from now on."""

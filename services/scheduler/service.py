@@ -221,7 +221,7 @@ class SchedulerService:
             self._check_ops(pending)
             pending = None
         t2 = time.perf_counter()
-        results, worker_s = [], 0.0
+        results, worker_s, prompt_logprobs = [], 0.0, None
         try:
             if scheduled.steps:
                 request = self.workers_view.execute_step(self.step_no, scheduled, self.mirror, self.core.requests)
@@ -230,14 +230,13 @@ class SchedulerService:
                 reply = self.worker.receive()
                 if not isinstance(reply, protocol.StepResult) or reply.error:
                     raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
-                results = reply.results
-                worker_s = reply.elapsed
+                results, worker_s, prompt_logprobs = reply.results, reply.elapsed, reply.prompt_logprobs
         finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
             t3 = time.perf_counter()
             if pending is not None:
                 self._check_ops(pending)
         self.publish()   # (a step that reached no worker)
-        finished = self.core.update(scheduled, results)
+        finished = self.core.update(scheduled, results, prompt_logprobs)
         # Sent once the next step is on its way to the worker (or now, if there is none): the
         # encoding overlaps the worker's compute instead of delaying its next step.
         self.unpublished = (scheduled.requests, finished)

@@ -21,7 +21,7 @@ class WorkerView:
 
     def execute_step(self, step: int, scheduled: ScheduledStep, store, requests: dict[str, Request]
                      ) -> protocol.ExecuteStep:
-        updates, new_params, histories = {}, {}, {}
+        updates, new_params, histories, prompt_logprobs = {}, {}, {}, {}
         ids, tokens, starts, samples_of = [], [], [], []   # the SeqWork columns, built as columns
         tables, params = self.tables, self.params
         for s, wanted, req in zip(scheduled.steps, scheduled.samples, scheduled.step_requests):
@@ -44,6 +44,8 @@ class WorkerView:
             if key in self.with_history:
                 for w in wanted:
                     histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
+            if s.prompt_logprobs >= 0:
+                prompt_logprobs[s.seq_id] = [s.prompt_logprobs, s.next_token]
             ids.append(s.seq_id)
             tokens.append(s.token_ids)
             starts.append(s.start_pos)
@@ -58,7 +60,7 @@ class WorkerView:
             self.with_history.discard(k)
         seqs = protocol.Columns(protocol.SeqWork, {"seq_id": ids, "token_ids": tokens, "start_pos": starts,
                                                    "samples": samples_of})
-        return protocol.ExecuteStep(step, seqs, updates, freed, new_params, dropped, histories)
+        return protocol.ExecuteStep(step, seqs, updates, freed, new_params, dropped, histories, prompt_logprobs)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -90,7 +92,8 @@ class RouterView:
                 batch = batches[identity] = ([], [], [], [], [])
             seqs = req.seqs
             if len(seqs) == 1 and req.beam is None and not req.finished and req.status is not FINISHED \
-                    and req.params.logprobs is None and seqs[0].seq_index == 0:
+                    and req.params.logprobs is None and seqs[0].seq_index == 0 \
+                    and (req.params.prompt_logprobs is None or req.prompt_logprobs_sent):
                 seq = seqs[0]
                 sent = sent_all.get(req.request_id)
                 if sent is None:
@@ -147,5 +150,9 @@ class RouterView:
         if finished:
             self.sent.pop(rid, None)
             self.closed.pop(rid, None)
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent \
+                and (not req.needs_prompt_logprobs or finished):
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return protocol.RequestUpdate(rid, deltas, finished, req.error, len(req.prompt_token_ids),
-                                      req.num_cached_tokens)
+                                      req.num_cached_tokens, prompt_logprobs)

@@ -21,6 +21,8 @@ class SeqStep:
     start_pos: int             # position of token_ids[0] = tokens already in the cache
     block_table: list[int]     # physical blocks covering positions [0, start_pos + len(token_ids))
     wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+    prompt_logprobs: int = -1  # k >= 0: score each token's successor in the prompt, with top-k
+    next_token: int = -1       # the prompt token after this chunk (-1: the chunk ends the prompt)
 
 
 def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, dtype: torch.dtype,
@@ -87,16 +89,42 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 
     @torch.inference_mode()
-    def execute(self, steps: list[SeqStep], compute_logits: bool = True) -> torch.Tensor | None:
+    def execute(self, steps: list[SeqStep], compute_logits: bool = True,
+                prompt_logprobs: dict | None = None) -> torch.Tensor | None:
         """Run one step; logits [R, vocab] float32 for the steps with wants_logits, in order.
 
+        Steps with prompt_logprobs >= 0 also put {seq_id: [start_pos, entries]} in the
+        prompt_logprobs dict given (see prompt_logprob_entries).
         compute_logits=False (tensor-parallel ranks > 0, which do not sample) only writes the KV
         cache and takes part in the collectives; it returns None."""
         input_ids, positions, meta = self.prepare(steps)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)   # [T, hidden]
         if not compute_logits:
             return None
+        if prompt_logprobs is not None:
+            start = 0
+            for s in steps:
+                if s.prompt_logprobs >= 0:
+                    prompt_logprobs[s.seq_id] = [s.start_pos, self.prompt_logprob_entries(
+                        hidden[start:start + len(s.token_ids)], s)]
+                start += len(s.token_ids)
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    def prompt_logprob_entries(self, hidden: torch.Tensor, step: SeqStep) -> list[list]:
+        """hidden [n, H] of the chunk's tokens -> per token that has a successor in the prompt,
+        [raw logprob of that successor, its rank (1 = most likely), [[id, logprob] of the top-k]]."""
+        targets = step.token_ids[1:] + ([step.next_token] if step.next_token >= 0 else [])
+        if not targets:
+            return []
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:len(targets)]).float(), dim=-1)  # [n, V]
+        picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])      # [n, 1]
+        ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()
+        picked = picked.squeeze(1).tolist()
+        if step.prompt_logprobs == 0:
+            return [[lp, r, []] for lp, r in zip(picked, ranks)]
+        values, ids = torch.topk(logprobs, step.prompt_logprobs, dim=-1)     # [n, k]
+        return [[lp, r, [list(p) for p in zip(i, v)]]
+                for lp, r, i, v in zip(picked, ranks, ids.tolist(), values.tolist())]
 
     def close(self) -> None:
         """Drop the views of the pool (before the pool's mapping is closed: touching them would segfault)."""

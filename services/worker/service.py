@@ -179,6 +179,7 @@ class WorkerService:
         """Apply the deltas, run the forward (and sample, on rank 0); errors become the reply's error."""
         start = time.perf_counter()
         results: list[SampleResult] = []
+        prompt_logprobs: dict = {}
         error = None
         try:
             self.inputs.apply_deltas(msg)
@@ -186,7 +187,7 @@ class WorkerService:
             if steps:
                 if self.copies_done is not None:   # the step's COW/swap copies ran on the kvstore's stream
                     torch.cuda.current_stream().wait_event(self.copies_done)
-                results = self._execute(steps, samples)
+                results = self._execute(steps, samples, prompt_logprobs)
         except StepError as e:
             log.warning("step %d rejected: %s", msg.step, e)
             error = str(e)
@@ -196,12 +197,13 @@ class WorkerService:
         finally:
             self.inputs.drop_params(msg)
         self.steps_run += 1
-        return protocol.StepResult(msg.step, results, error,
-                                   time.perf_counter() - start)
+        return protocol.StepResult(msg.step, results, error, time.perf_counter() - start,
+                                   prompt_logprobs if error is None else {})
 
-    def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]]) -> list[SampleResult]:
+    def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]],
+                 prompt_logprobs: dict) -> list[SampleResult]:
         if self.core is not None:
-            return self.core.execute(steps, samples)
+            return self.core.execute(steps, samples, prompt_logprobs)
         self.runner.execute(steps, compute_logits=False)   # ranks > 0: KV writes and collectives only
         return []
 

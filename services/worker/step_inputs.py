@@ -9,7 +9,7 @@ same step (and fails the same way, before any collective, on a bad one).
 from __future__ import annotations
 
 from services.protocol import ExecuteStep
-from services.sampling_params import SamplingParams
+from services.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.worker.model_runner import SeqStep
 from services.worker.worker_core import SampleRequest
 
@@ -64,7 +64,15 @@ class StepInputs:
                 raise StepError(f"seq {work.seq_id} has no block table on this worker")
             if not work.token_ids:
                 raise StepError(f"seq {work.seq_id} has no tokens to compute")
-            steps.append(SeqStep(work.seq_id, work.token_ids, work.start_pos, table))
+            step = SeqStep(work.seq_id, work.token_ids, work.start_pos, table)
+            wanted = msg.prompt_logprobs.get(work.seq_id) if msg.prompt_logprobs else None
+            if wanted is not None:
+                if not (isinstance(wanted, list) and len(wanted) == 2 and all(type(v) is int for v in wanted)
+                        and 0 <= wanted[0] <= MAX_LOGPROBS and wanted[1] >= -1):
+                    raise StepError(f"prompt_logprobs[{work.seq_id}] must be [k in 0..{MAX_LOGPROBS}, next token "
+                                    f"or -1], got {wanted!r}")
+                step.prompt_logprobs, step.next_token = wanted
+            steps.append(step)
             samples.append([self._sample_request(s, work.seq_id, msg.histories) for s in work.samples])
         return steps, samples
 

@@ -32,11 +32,13 @@ class WorkerCore:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
 
-    def execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]]) -> list[SampleResult]:
-        """samples[i] are the draws wanted from steps[i]'s last logits (empty: none wanted)."""
+    def execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]],
+                prompt_logprobs: dict | None = None) -> list[SampleResult]:
+        """samples[i] are the draws wanted from steps[i]'s last logits (empty: none wanted);
+        prompt logprobs of the steps that ask go into the prompt_logprobs dict given."""
         for step, wanted in zip(steps, samples):
             step.wants_logits = bool(wanted)
-        logits = self.runner.execute(steps)                       # [R, vocab], one row per wanting step
+        logits = self.runner.execute(steps, prompt_logprobs=prompt_logprobs)   # [R, vocab], one row per wanting step
         rows = [i for i, wanted in enumerate(samples) if wanted for _ in wanted]
         reqs = [r for wanted in samples for r in wanted]
         if not reqs:
