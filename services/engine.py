@@ -93,7 +93,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
-            eos_token_ids=spec.eos_token_ids), self.store, clock=time.monotonic)
+            eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size), self.store, clock=time.monotonic)
         self._request_ids = itertools.count()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

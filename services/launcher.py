@@ -58,6 +58,16 @@ class Config:
             raise ValueError("--tensor-parallel must be at least 1")
         if not 0 < self.port < 65536 - self.routers:
             raise ValueError(f"--port {self.port} is out of range")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, not {self.log_level!r}")
+        if self.worker_threads < 0:
+            raise ValueError(f"--worker-threads must be 0 (auto) or more, not {self.worker_threads}")
+        if self.num_device_blocks is None and self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive, not {self.kv_cache_memory_gib}")
+        if self.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda, but torch sees no CUDA device here")
         return self
 
 
@@ -89,7 +99,7 @@ def config_from_args(args) -> Config:
                   swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
                   tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
-                  enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level).validate()
+                  enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level.upper()).validate()
 
 
 def resolve_model(model: str) -> str:

@@ -17,7 +17,7 @@ def start(*argv: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def engine_processes(model: str, tmp_path) -> tuple[list[subprocess.Popen], str]:
+def engine_processes(model: str, tmp_path, *scheduler_flags: str) -> tuple[list[subprocess.Popen], str]:
     """kvstore, worker and scheduler as separate processes (no launcher) -> (procs, scheduler endpoint)."""
     from services.worker.model_loader import inspect_model_dir
     import torch
@@ -26,13 +26,13 @@ def engine_processes(model: str, tmp_path) -> tuple[list[subprocess.Popen], str]
     procs = [start("kvstore", "--endpoint", kv, "--num-device-blocks", "256", "--num-host-blocks", "0",
                    "--block-size", "16", "--block-bytes", str(spec.block_bytes(16, torch.float32))),
              start("worker", "--model", model, "--endpoint", worker, "--kvstore-endpoint", kv),
-             start_scheduler(model, sched, kv, worker)]
+             start_scheduler(model, sched, kv, worker, *scheduler_flags)]
     return procs, sched
 
 
-def start_scheduler(model: str, sched: str, kv: str, worker: str) -> subprocess.Popen:
+def start_scheduler(model: str, sched: str, kv: str, worker: str, *flags: str) -> subprocess.Popen:
     return start("scheduler", "--model", model, "--endpoint", sched, "--kvstore-endpoint", kv,
-                 "--worker-endpoint", worker)
+                 "--worker-endpoint", worker, *flags)
 
 
 def connect_when_ready(sched: str, procs: list[subprocess.Popen]) -> zmq.Socket:
@@ -124,6 +124,80 @@ def test_worker_death_fails_requests_fast(tiny_llama, tmp_path):
         sock.close()
         sock = connect_when_ready(sched, procs)
         assert len(run_to_end(sock, "after-restart", 8)) == 8
+    finally:
+        sock.close()
+        stop(procs)
+
+
+def test_a_router_that_reads_late_loses_no_update(tiny_llama, tmp_path):
+    """Three 900-token requests run one after another (~2700 steps, an update message each) while
+    their router reads nothing: once it reads, every token and every end is there (a ROUTER socket
+    used to drop what passed its send limit, silently: requests hung or came back short)."""
+    procs, sched = engine_processes(tiny_llama, tmp_path, "--max-num-seqs", "1")
+    sock = connect_when_ready(sched, procs)
+    sock.setsockopt(zmq.RCVHWM, 10)      # a slow reader: the backlog stays on the scheduler's side
+    try:
+        params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True).to_dict()
+        for rid in ("a", "b", "c"):
+            sock.send_multipart(protocol.encode(protocol.AddRequest(rid, list(range(10, 40)), params)))
+        watcher = zmq.Context.instance().socket(zmq.DEALER)
+        watcher.setsockopt(zmq.LINGER, 0)
+        watcher.connect(sched)
+        deadline = time.monotonic() + 240
+        while True:      # wait (on another socket) until the engine is idle again
+            watcher.send_multipart(protocol.encode(protocol.GetStats()))
+            assert watcher.poll(30000)
+            stats = protocol.decode(watcher.recv_multipart()).stats
+            if stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        watcher.close()
+        tokens = {"a": 0, "b": 0, "c": 0}
+        ended = set()
+        while len(ended) < 3:
+            assert sock.poll(10000), f"updates lost: {tokens}, ended {ended}"
+            msg = protocol.decode(sock.recv_multipart())
+            if not isinstance(msg, protocol.RequestUpdates):
+                continue
+            for t in msg.tokens:
+                tokens[t.request_id] += 1
+            for u in msg.updates:
+                tokens[u.request_id] += sum(len(d.token_ids) for d in u.outputs)
+                if u.finished:
+                    ended.add(u.request_id)
+        assert tokens == {"a": 900, "b": 900, "c": 900}
+    finally:
+        sock.close()
+        stop(procs)
+
+
+def test_a_kvstore_that_pauses_past_the_timeout_is_resynced_not_left_diverged(tiny_llama, tmp_path):
+    """SIGSTOP the kvstore mid-request for longer than the peer timeout: the request fails; after
+    SIGCONT the scheduler resets both block stores and serves again, with nothing leaked."""
+    import signal
+    procs, sched = engine_processes(tiny_llama, tmp_path)
+    sock = connect_when_ready(sched, procs)
+    try:
+        params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True).to_dict()
+        for i in range(6):
+            sock.send_multipart(protocol.encode(protocol.AddRequest(f"long{i}", list(range(10 + i, 40)), params)))
+        assert sock.poll(60000)
+        time.sleep(0.5)
+        procs[0].send_signal(signal.SIGSTOP)
+        time.sleep(12)
+        procs[0].send_signal(signal.SIGCONT)
+        sock.close()
+        sock = connect_when_ready(sched, procs)
+        assert len(run_to_end(sock, "after", 8)) == 8
+        time.sleep(2.5)        # a heartbeat: the frees of the last step reach the kvstore
+        sock.send_multipart(protocol.encode(protocol.GetStats()))
+        reply = None
+        while not isinstance(reply, protocol.StatsReply):
+            assert sock.poll(10000)
+            reply = protocol.decode(sock.recv_multipart())
+        kv = reply.stats["kv"]
+        assert kv["num_sequences"] == 0 and kv["device_blocks_used"] == 0, kv
     finally:
         sock.close()
         stop(procs)

@@ -121,6 +121,7 @@ class SchedulerClient:
         # Queue only on a live connection: with no scheduler a send waits (and times out, -> 503)
         # instead of piling requests up for a scheduler that may come back much later.
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RCVHWM, 0)    # every token and end the scheduler sends is kept (no drops)
         sock.connect(self.endpoint)
         self.sock = sock
         self._tasks = [asyncio.create_task(self._receive_loop(), name=f"recv {self.endpoint}"),
@@ -274,6 +275,8 @@ class SchedulerClient:
                 pass     # not connected: the silence below decides
             await asyncio.sleep(self.ping_interval_s)
             silent = time.monotonic() - self.last_heard
+            if silent > self.dead_after_s and not self.dead and await self.sock.poll(0, zmq.POLLIN):
+                continue   # this router was the one away (paused, busy): the scheduler's words wait unread
             if silent > self.dead_after_s and not self.dead:
                 self.dead = True
                 log.error("the scheduler at %s has not answered for %.1f s", self.endpoint, silent)

@@ -39,6 +39,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"          # swap | recompute | auto
     auto_swap_min_tokens: int = 256             # auto: recompute shorter single sequences, swap longer
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0                         # > 0: prompt token ids must be below it
 
 
 @dataclass
@@ -89,6 +90,10 @@ class Scheduler:
         params.validate()
         if not prompt_token_ids:
             raise SchedulerError("the prompt is empty")
+        vocab = self.config.vocab_size
+        if vocab and not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab):
+            # The router checks this too; a peer that did not would fail the worker's whole step.
+            raise SchedulerError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise SchedulerError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context is "
                                  f"{self.config.max_model_len} including at least one generated token")

@@ -108,8 +108,6 @@ class StepTiming:
 
 class SchedulerService:
     def __init__(self, config: Config):
-        from kvstore.replay import RecordingStore
-        from kvstore.store import BlockStore
         from services.worker.model_loader import inspect_model_dir
 
         self.config = config
@@ -123,11 +121,12 @@ class SchedulerService:
         self.kv.reset("scheduler")
         self._wait_for(lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0), "worker",
                        self.worker.endpoint)
-        self.mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
-                                                enable_prefix_caching=info.enable_prefix_caching))
+        self.pool_info = info
+        self.mirror = self._new_mirror()
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         self.core = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                              config.preemption_mode, eos_token_ids=spec.eos_token_ids),
+                                              config.preemption_mode, eos_token_ids=spec.eos_token_ids,
+                                              vocab_size=spec.vocab_size),
                               self.mirror, clock=time.monotonic)
         self.model_name = config.model
         self.max_model_len = max_len
@@ -137,10 +136,14 @@ class SchedulerService:
         self.unpublished = None   # (requests, finished) of the last step, not yet sent to routers
         self.timing = StepTiming()
         self.ready = True
-        self.broken: str | None = None   # set when the kvstore diverged: this replica cannot recover
+        self.broken: str | None = None   # set when the kvstore diverged: reset at the next heartbeat
         self.last_beat = time.monotonic()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A ROUTER drops messages without a word once a peer's queue is full: a router that
+        # fell behind (paused, busy) would lose tokens and ends. No limit: they wait for it.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted router may reuse its identity
         self.sock.bind(config.endpoint)
         self.state = self._register()
@@ -309,7 +312,7 @@ class SchedulerService:
         self.publish()
         self.timing.maybe_log(idle=not self.core.has_unfinished())
         self._sync_kvstore()     # aborts and frees made while idle
-        ok = self.broken is None
+        ok = True
         pings = ((lambda: self.kv.ping("scheduler", self.config.peer_timeout_s), "kvstore", self.kv.endpoint),
                  (lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s),
                   "worker", self.worker.endpoint))
@@ -321,10 +324,49 @@ class SchedulerService:
                 ok = False
         if self.ready and not ok:
             self.fail_all("an engine process stopped answering")
+        if ok and (not self.ready or self.broken):
+            # Back after a silence (or a divergence): ops queued to the kvstore meanwhile may be lost,
+            # so the mirror and the kvstore's store cannot be trusted to agree. Every request has
+            # been failed; both start again from empty.
+            self.fail_all("the engine was reset")
+            ok = self._reset_block_stores()
         self.ready = ok
-        if self.state is not None:
-            self.state.renew_replica(self.config.replica_id, ttl_s=5.0,
-                                     info={"model": self.model_name, "load": len(self.owner)})
+        self._renew_lease()
+
+    def _new_mirror(self):
+        """The scheduler's bookkeeping-only copy of the kvstore's BlockStore, empty."""
+        from kvstore.replay import RecordingStore
+        from kvstore.store import BlockStore
+        info = self.pool_info
+        return RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
+                                         enable_prefix_caching=info.enable_prefix_caching))
+
+    def _reset_block_stores(self) -> bool:
+        try:
+            self.kv.reset("scheduler")
+        except (PeerTimeout, KVStoreError) as e:
+            log.error("could not reset the kvstore: %s", e)
+            return False
+        self.mirror = self.core.store = self._new_mirror()
+        self.workers_view = WorkerView()   # new sequence ids only from here: stale worker tables are unused
+        self.broken = None
+        log.warning("block stores reset: the scheduler's mirror and the kvstore start from empty")
+        return True
+
+    def _renew_lease(self) -> None:
+        """Keep this replica listed in the shared state; a lapsed lease (a long pause) registers
+        again, and a state store that is down is logged, not fatal (routers with a fixed
+        scheduler endpoint keep working)."""
+        if self.state is None:
+            return
+        info = {"model": self.model_name, "load": len(self.owner)}
+        try:
+            if not self.state.renew_replica(self.config.replica_id, ttl_s=5.0, info=info):
+                log.warning("the replica's lease had lapsed; registering again")
+                self.state.register_replica(self.config.replica_id, self.config.advertise or self.config.endpoint,
+                                            info, ttl_s=5.0)
+        except Exception as e:   # redis-py's ConnectionError, TimeoutError, ...
+            log.warning("cannot renew the replica's lease in the shared state: %s", e)
 
     def stats(self) -> dict:
         try:
@@ -375,6 +417,8 @@ def run(config: Config) -> int:
             log.error("%s", e)
             svc.ready = False
             svc.fail_all(str(e))
+    # Requests still running end with an error their clients see (a 503), not a cut connection.
+    svc.fail_all("the engine is shutting down")
     svc.sock.close()
     return 0
 
