@@ -150,7 +150,7 @@ def test_a_dead_scheduler_fails_buffered_subscribers_and_forgets_their_updates()
     queue: asyncio.Queue = asyncio.Queue()
     client.subscribe("a", queue, buffered=True)
     client._dispatch(protocol.RequestUpdates([], [protocol.TokenDelta("a", 5)]))
-    client._fail_all(503, "gone")
+    client.fail_all(503, "gone")
     assert isinstance(queue.get_nowait(), Failure) and not client.merging and not client.subscribers
 
 

@@ -309,3 +309,36 @@ def test_tensor_parallel_stack_matches_engine(tiny_llama):
         assert got == expected
     finally:
         assert s.stop() == 0
+
+
+def test_stopping_the_stack_answers_requests_in_flight_with_503(tiny_llama):
+    """Ctrl-C / SIGTERM with requests running: each client gets a 503 in the OpenAI shape (an SSE
+    error event and [DONE] for a stream) at once, not a cut connection or a plain 500 after the
+    drain times out."""
+    import httpx
+    s = Stack(tiny_llama, "--num-device-blocks", "128")
+    out = {}
+    body = {"model": tiny_llama, "prompt": "hi", "max_tokens": 900, "ignore_eos": True}
+
+    def plain():
+        out["plain"] = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            out["stream"] = [line for line in r.iter_lines() if line]
+    threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while get_json(s.url + "/v1/kv")["num_sequences"] < 2:    # both are running
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        stopped = time.monotonic()
+        code = s.stop()
+    for t in threads:
+        t.join(60)
+    assert code == 0 and time.monotonic() - stopped < 10
+    assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == 503
+    assert out["stream"][-1] == "data: [DONE]" and json.loads(out["stream"][-2][6:])["error"]["code"] == 503

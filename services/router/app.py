@@ -71,6 +71,12 @@ class RouterContext:
             # could not bind and shut the app down mid-start), destroy closes them first.
             self.zmq_ctx.destroy(linger=0)
 
+    def fail_in_flight(self, message: str) -> None:
+        """End every request waiting on a scheduler with a 503 (the router is stopping)."""
+        if self.backends is not None:
+            for client in self.backends.clients.values():
+                client.fail_all(503, message)
+
     # ---- checks shared by the endpoints ---------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         if len(text) > self.info.max_prompt_chars:

@@ -135,7 +135,7 @@ class SchedulerClient:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
-        self._fail_all(503, "the router is shutting down")
+        self.fail_all(503, "the router is shutting down")
         if self.sock is not None:
             self.sock.close(linger=0)
 
@@ -280,9 +280,9 @@ class SchedulerClient:
             if silent > self.dead_after_s and not self.dead:
                 self.dead = True
                 log.error("the scheduler at %s has not answered for %.1f s", self.endpoint, silent)
-                self._fail_all(503, f"the engine at {self.endpoint} stopped answering")
+                self.fail_all(503, f"the engine at {self.endpoint} stopped answering")
 
-    def _fail_all(self, status: int, message: str) -> None:
+    def fail_all(self, status: int, message: str) -> None:
         subscribers, self.subscribers, self.merging = self.subscribers, {}, {}
         for queue in subscribers.values():
             queue.put_nowait(Failure(status, message))

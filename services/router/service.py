@@ -9,6 +9,7 @@ sends each request to one of the replicas registered there.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -141,6 +142,17 @@ def _server_class():
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+        def handle_exit(self, sig, frame):
+            # Requests in flight end now with a 503 (an SSE error event for streams) instead of
+            # being cut when the drain times out: their engine is most likely stopping too.
+            ctx = getattr(getattr(self.config.app, "state", None), "ctx", None)
+            if ctx is not None and not self.should_exit:
+                try:
+                    asyncio.get_running_loop().call_soon_threadsafe(ctx.fail_in_flight, "the router is shutting down")
+                except RuntimeError:   # no loop running yet
+                    pass
+            super().handle_exit(sig, frame)
     return Server
 
 

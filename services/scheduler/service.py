@@ -419,7 +419,7 @@ def run(config: Config) -> int:
             svc.fail_all(str(e))
     # Requests still running end with an error their clients see (a 503), not a cut connection.
     svc.fail_all("the engine is shutting down")
-    svc.sock.close()
+    svc.sock.close(linger=1000)   # those last words must leave before the socket goes
     return 0
 
 
