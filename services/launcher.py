@@ -223,7 +223,25 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on, or None (checked before anything starts: the router
+    would only find out after its model loaded)."""
+    import socket
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return str(e)
+    return None
+
+
 def run(cfg: Config) -> int:
+    for port in range(cfg.port, cfg.port + cfg.routers):
+        why = _port_taken(cfg.host, port)
+        if why:
+            print(f"pagedserve up: cannot listen on {cfg.host}:{port}: {why}", file=sys.stderr)
+            return 1
     model = resolve_model(cfg.model)
     run_dir = tempfile.mkdtemp(prefix="pagedserve-")
     stack = Stack()

@@ -102,3 +102,23 @@ def test_console_script_tiny_model_loads_in_transformers(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert res.returncode == 0 and res.stdout.strip() == "opt", res.stderr
+
+
+def test_up_refuses_bad_settings_before_starting_anything(capsys, tiny_llama):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run_cli(capsys, "up", "--model", tiny_llama, "--port", str(port))
+        assert_one_line_error(code, err, "cannot listen")
+    import torch
+    cases = [(["--log-level", "loud"], "--log-level"), (["--worker-threads", "-1"], "--worker-threads")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "CUDA"))
+    for flags, needle in cases:
+        try:
+            code, _, err = run_cli(capsys, "up", "--model", tiny_llama, *flags)
+        except SystemExit as e:     # argparse-style refusals exit 2
+            code, err = e.code, capsys.readouterr().err
+        assert_one_line_error(code, err, needle)
