@@ -119,7 +119,10 @@ class SchedulerService:
         # The kvstore may have served an earlier scheduler of this replica (a restart): start both
         # block stores, the mirror and the replica, from empty.
         self.kv.reset("scheduler")
-        self._wait_for(lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0), "worker",
+        # The kvstore is pinged as well while the worker loads its model, or it would take the
+        # silence for a scheduler that is gone.
+        self._wait_for(lambda: (self.kv.ping("scheduler", 1.0),
+                                self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0)), "worker",
                        self.worker.endpoint)
         self.pool_info = info
         self.mirror = self._new_mirror()
