@@ -5,6 +5,7 @@ The official `openai` SDK, unchanged, talks to it; greedy results must equal tra
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -219,25 +220,23 @@ def test_scheduler_with_unreachable_kvstore_exits_with_cause(tiny_llama):
 
 
 def test_launcher_reports_the_failed_process_and_stops_the_others(tiny_llama):
-    """The router cannot bind a port that is taken: the launcher names it and leaves nothing behind."""
-    import socket
+    """A Redis that does not answer: the scheduler and the router that need it exit with the cause
+    in one line; the launcher names the first to go and leaves nothing behind."""
     import subprocess
     import sys
     from loadgen.stack import children_of, free_port
-    port = free_port()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port))
-        taken.listen()
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_llama,
-                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        seen: set[int] = set()
-        while proc.poll() is None:
-            seen.update(children_of(proc.pid))
-            time.sleep(0.2)
-        err = proc.stderr.read()
-    assert proc.returncode != 0 and "router0" in err, err
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_llama,
+                             "--port", str(free_port()), "--redis-url", "redis://127.0.0.1:1/0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    while proc.poll() is None:
+        seen.update(children_of(proc.pid))
+        time.sleep(0.2)
+    err = proc.stderr.read()
+    assert proc.returncode != 0 and "cannot use Redis" in err and "Traceback" not in err, err
+    assert re.search(r"the (scheduler|router0) process exited with code 1", err), err
     time.sleep(0.5)
-    assert not [p for p in seen if alive(p)]
+    assert seen and not [p for p in seen if alive(p)]
 
 
 def test_mixed_load_under_pressure_leaves_pool_empty(tiny_llama):

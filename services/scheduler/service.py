@@ -401,6 +401,11 @@ def run(config: Config) -> int:
     except zmq.ZMQError as e:
         print(f"scheduler: cannot bind {config.endpoint}: {e}", file=sys.stderr)
         return 1
+    except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
+        if type(e).__module__.startswith("redis"):
+            print(f"scheduler: cannot use Redis at {config.redis_url}: {e}", file=sys.stderr)
+            return 1
+        raise
     # Everything built so far lives as long as the process: keep the collector from rescanning it
     # (a full collection with torch's objects loaded costs ~100 ms, a visible stall in a step).
     gc.freeze()
