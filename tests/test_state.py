@@ -106,3 +106,26 @@ def test_redis_replica_lease_expires_without_renewal(redis_state):
     assert not redis_state.renew_replica("b", ttl_s=1), "an expired lease must be registered again"
     redis_state.deregister_replica("a")
     assert redis_state.live_replicas() == []
+
+
+def test_the_scheduler_keeps_its_lease_through_a_pause_and_a_state_outage():
+    """A lease that lapsed (the scheduler was paused past its TTL) is registered again; a state store
+    that is down is logged, and the scheduler goes on (it used to die on Redis's ConnectionError)."""
+    from types import SimpleNamespace
+    from services.scheduler.service import SchedulerService
+    clock = FakeClock()
+    state = MemoryState(clock=clock)
+    svc = SimpleNamespace(state=state, model_name="m", owner={},
+                          config=SimpleNamespace(replica_id="r0", advertise=None, endpoint="ipc:///x"))
+    state.register_replica("r0", "ipc:///x", {}, ttl_s=5.0)
+    clock.now += 7                                   # paused past the lease
+    assert state.live_replicas() == []
+    SchedulerService._renew_lease(svc)
+    assert [r.id for r in state.live_replicas()] == ["r0"]
+
+    class Down:
+        def renew_replica(self, *a, **k):
+            import redis
+            raise redis.exceptions.ConnectionError("Connection refused")
+    svc.state = Down()
+    SchedulerService._renew_lease(svc)               # no exception
