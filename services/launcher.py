@@ -203,6 +203,15 @@ class Stack:
         return None
 
     def stop(self, grace_s: float = 10.0) -> None:
+        # The scheduler first: it ends what runs with an error the routers pass on (a 503), which
+        # it cannot do once its worker is gone mid-step. Then the rest, routers first.
+        for name, p in self.children:
+            if name == "scheduler" and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(3.0)
+                except subprocess.TimeoutExpired:
+                    pass
         for _, p in reversed(self.children):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

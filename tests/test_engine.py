@@ -369,6 +369,18 @@ def test_swapped_samples_come_back_when_their_blocks_and_next_tokens_fit(make_en
     assert [len(c.token_ids) for c in out[1].outputs] == [10, 10, 10]
 
 
+def test_swapped_samples_sharing_a_partial_last_block_come_back(make_engine):
+    """Q's two samples share their partly filled last block when swapped out; back in, the one
+    that writes last owns it, so Q needs 3 blocks, not 4 (it used to be aborted)."""
+    engine = make_engine(num_device_blocks=3, num_host_blocks=8, preemption_mode="swap",
+                         enable_prefix_caching=False)
+    out = engine.generate([list(range(10, 20)), list(range(30, 50))],
+                          [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                           SamplingParams(max_tokens=3, n=2, temperature=0, ignore_eos=True)])
+    assert out[1].error is None and out[1].num_preemptions > 0
+    assert [len(c.token_ids) for c in out[1].outputs] == [3, 3]
+
+
 def test_generate_queues_nothing_when_one_prompt_can_never_fit(make_engine):
     engine = make_engine(num_device_blocks=4)               # 64 slots
     with pytest.raises(SchedulerError):

@@ -25,6 +25,9 @@ async def create_completion(ctx: "RouterContext", request):
     longest = max(len(p) for p in prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else ctx.info.max_model_len - longest
     ctx.check_length(longest, max_tokens, "prompt")
+    if req.stream and req.echo and req.logprobs is not None and len(prompts) > 1:
+        # Each prompt's echo chunk would wait for that prompt's first update; one at a time.
+        raise bad_request("echo with logprobs streams one prompt at a time", "echo")
     # Echo with logprobs shows the prompt's logprobs too (as vLLM: prompt_logprobs = logprobs).
     params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.info.vocab_size,
                                 prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None)

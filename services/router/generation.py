@@ -115,7 +115,7 @@ class Generation:
             # so the text before it is sent first.
             while len(self.done) < len(self.prompts) and not self.queue.empty():
                 msg = self.queue.get_nowait()
-                if not isinstance(msg, (protocol.RequestUpdate, Buffered)):
+                if not isinstance(msg, (protocol.RequestUpdate, Buffered)) or getattr(msg, "error", None):
                     held = msg
                     break
                 events = events + self._handle(msg)

@@ -51,8 +51,8 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    # Structured output and prompt logprobs are not served here: declared so that asking for them
-    # is a clear 400, not text that silently ignores the constraint.
+    # Structured output is not served here: declared so that asking for it is a clear 400, not
+    # text that silently ignores the constraint.
     response_format: dict | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -142,8 +142,10 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
 
     params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned)."""
     logit_bias = {}
+    if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
     for key, bias in (req.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
             raise bad_request(f"logit_bias keys must be token ids below {vocab_size}, got {key!r}", "logit_bias")
         logit_bias[int(key)] = bias
     for name in _NOT_SERVED:
@@ -185,6 +187,9 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     return params, req.n
 
 
+# The sampler adds each bias row by row every step: a bound keeps a request from slowing its batch.
+MAX_LOGIT_BIAS = 1024
+_TOKEN_ID = re.compile(r"[0-9]{1,19}")
 _NOT_SERVED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 

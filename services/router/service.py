@@ -144,14 +144,18 @@ def _server_class():
                     signal.signal(s, handler)
 
         def handle_exit(self, sig, frame):
-            # Requests in flight end now with a 503 (an SSE error event for streams) instead of
-            # being cut when the drain times out: their engine is most likely stopping too.
+            # Requests still in flight shortly before the drain times out end with a 503 (an SSE
+            # error event for streams) instead of being cut. Until then they may finish: a router
+            # restarted alone drains; when the whole stack stops, the scheduler fails them first.
             ctx = getattr(getattr(self.config.app, "state", None), "ctx", None)
             if ctx is not None and not self.should_exit:
+                grace = max(0.0, (self.config.timeout_graceful_shutdown or 5) - 1.0)
                 try:
-                    asyncio.get_running_loop().call_soon_threadsafe(ctx.fail_in_flight, "the router is shutting down")
+                    loop = asyncio.get_running_loop()
                 except RuntimeError:   # no loop running yet
-                    pass
+                    loop = None
+                if loop is not None:   # from a signal handler: only call_soon_threadsafe is safe here
+                    loop.call_soon_threadsafe(loop.call_later, grace, ctx.fail_in_flight, "the router is shutting down")
             super().handle_exit(sig, frame)
     return Server
 

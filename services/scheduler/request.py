@@ -82,6 +82,9 @@ class Request:
     # params.prompt_logprobs: entry i scores prompt token i + 1 ([logprob, rank, [[id, logprob], ...]]).
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Names this admission's params on the worker: a request id can come back (a client's
+    # X-Request-Id) before the worker was told to drop the last one's params.
+    params_key: str = ""
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -111,10 +111,15 @@ class Scheduler:
         self.check_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise SchedulerError(f"request id {request_id!r} is already in use")
+        salt = (params.cache_salt,) if params.cache_salt else ()
+        if params.prompt_logprobs is not None:
+            # Its prompt's logits are all needed: a key of its own keeps it from hitting (and so
+            # skipping) cached blocks, which other requests may be reading.
+            salt += (f"prompt-logprobs:{request_id}:{next(self._seq_ids)}",)
         req = Request(request_id, list(prompt_token_ids), params,
-                      self.clock() if arrival_time is None else arrival_time,
-                      cache_salt=(params.cache_salt,) if params.cache_salt else ())
+                      self.clock() if arrival_time is None else arrival_time, cache_salt=salt)
         req.seqs = [Sequence(next(self._seq_ids), req.prompt_token_ids)]
+        req.params_key = f"{request_id}/{req.seqs[0].seq_id}"     # seq ids are never reused
         if params.use_beam_search:
             req.beam = BeamSearch(beam_width=params.beam_width, length_penalty=params.length_penalty,
                                   early_stopping=params.early_stopping,
@@ -332,16 +337,23 @@ class Scheduler:
         bs, store = self.store.block_size, self.store
         tables = [store.block_table(s.seq_id) for s in req.seqs]
         need = len({b for t in tables for b in t})
-        last_users: dict[int, int] = {}
-        for t in tables:
-            if t:
-                last_users[t[-1]] = last_users.get(t[-1], 0) + 1
+        holders: dict[int, int] = {}       # block -> tables of this request holding it (swapped
+        for t in tables:                   # requests share blocks only among themselves)
+            for b in t:
+                holders[b] = holders.get(b, 0) + 1
+        writers: dict[int, int] = {}
         for seq, table in zip(req.seqs, tables):
             # The slot the next step writes: the last sampled token's, if it has none yet.
             num_tokens = store.num_tokens(seq.seq_id)
-            pending = seq.num_tokens - num_tokens          # 1 while the last token awaits its slot
-            if pending and (num_tokens % bs == 0 or last_users.get(table[-1], 0) > 1):
-                need += 1
+            if seq.num_tokens == num_tokens:
+                continue
+            if num_tokens % bs == 0:
+                need += 1                  # a new block past the end
+            elif holders[table[-1]] > 1:
+                writers[table[-1]] = writers.get(table[-1], 0) + 1
+        # w writers of a block r tables hold copy it w times, or w - 1 when all of them write (the
+        # last one owns it by then), as BlockStore.append_blocks_needed counts.
+        need += sum(w - (w == holders[b]) for b, w in writers.items())
         return store.num_free_device_blocks >= need
 
     def _abort_unservable(self, req: Request, why: str, out: ScheduledStep) -> None:
@@ -382,9 +394,7 @@ class Scheduler:
                     self.store.free(d.seq_id)
                     d.num_computed = 0
                 return False
-            # Prompt logprobs need every prompt position's logits: cached blocks are recomputed
-            # (into themselves, with the same values).
-            seq.num_computed = 0 if req.needs_prompt_logprobs else result.num_cached_tokens
+            seq.num_computed = result.num_cached_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = max(req.num_cached_tokens, result.num_cached_tokens)
             done.append(seq)
@@ -395,9 +405,13 @@ class Scheduler:
         blocks again, as they did before, instead of each allocating the whole prompt (which may
         need n times the memory the request ran in). Each then grows by its own tokens."""
         store, seqs = self.store, req.seqs
-        shared = len(req.prompt_token_ids) // store.block_size * store.block_size
+        bs = store.block_size
+        shared = len(req.prompt_token_ids) // bs * bs
         first = seqs[0]
         tokens = [s.all_token_ids() for s in seqs]
+        most = shared // bs + sum(-(-(len(t) - shared) // bs) for t in tokens)   # with no prefix hit
+        if most > store.num_free_device_blocks and (self.running or self.swapped):
+            return False   # wait, without trying (each try is ops sent to the kvstore)
         ok = store.allocate(first.seq_id, tokens[0][:shared], req.cache_salt)
         if not ok.ok:
             return False

@@ -351,7 +351,7 @@ class SchedulerService:
             log.error("could not reset the kvstore: %s", e)
             return False
         self.mirror = self.core.store = self._new_mirror()
-        self.workers_view = WorkerView()   # new sequence ids only from here: stale worker tables are unused
+        self.workers_view.forget_all()     # the worker drops its tables and params with the next step
         self.broken = None
         log.warning("block stores reset: the scheduler's mirror and the kvstore start from empty")
         return True
@@ -427,7 +427,9 @@ def run(config: Config) -> int:
             svc.fail_all(str(e))
     # Requests still running end with an error their clients see (a 503), not a cut connection.
     svc.fail_all("the engine is shutting down")
-    svc.sock.close(linger=1000)   # those last words must leave before the socket goes
+    # Those last words must leave before the process does: destroy waits up to the linger for
+    # queued messages (closing alone does not; exiting would drop them).
+    svc.ctx.destroy(linger=1000)
     return 0
 
 

@@ -18,6 +18,13 @@ class WorkerView:
         self.tables: dict[int, list[int]] = {}
         self.params: dict[str, dict] = {}
         self.with_history: set[str] = set()     # params keys whose sampling reads the token history
+        self.stale: tuple[list, list] = ([], [])   # (tables, params) to drop with the next step
+
+    def forget_all(self) -> None:
+        """The block stores were reset: tell the worker, with the next step, to drop everything."""
+        self.stale = (self.stale[0] + list(self.tables), self.stale[1] + list(self.params))
+        self.tables, self.params = {}, {}
+        self.with_history.clear()
 
     def execute_step(self, step: int, scheduled: ScheduledStep, store, requests: dict[str, Request]
                      ) -> protocol.ExecuteStep:
@@ -31,7 +38,7 @@ class WorkerView:
                 start = _first_difference(known or [], table)
                 updates[s.seq_id] = [start, *table[start:]]
                 tables[s.seq_id] = list(table)
-            key = req.request_id
+            key = req.params_key
             if key not in params:
                 params[key] = new_params[key] = req.params.to_dict()
                 if req.params.uses_penalties:
@@ -54,10 +61,13 @@ class WorkerView:
         for sid in freed:
             del tables[sid]
         # The scheduler process removes a request from `requests` once it finished and was flushed.
-        dropped = list(params.keys() - requests.keys())
+        dropped = list(params.keys() - {r.params_key for r in requests.values()})
         for k in dropped:
             del params[k]
             self.with_history.discard(k)
+        if self.stale[0] or self.stale[1]:
+            freed, dropped = freed + self.stale[0], dropped + self.stale[1]
+            self.stale = ([], [])
         seqs = protocol.Columns(protocol.SeqWork, {"seq_id": ids, "token_ids": tokens, "start_pos": starts,
                                                    "samples": samples_of})
         return protocol.ExecuteStep(step, seqs, updates, freed, new_params, dropped, histories, prompt_logprobs)

@@ -13,6 +13,9 @@ from services.worker.attn_metadata import AttentionMetadata
 from services.worker.model_loader import ModelSpec
 
 
+PROMPT_LOGPROB_ROWS = 128   # prompt positions scored per lm_head call
+
+
 @dataclass(slots=True)
 class SeqStep:
     """One sequence's share of a step."""
@@ -114,17 +117,22 @@ class ModelRunner:
         """hidden [n, H] of the chunk's tokens -> per token that has a successor in the prompt,
         [raw logprob of that successor, its rank (1 = most likely), [[id, logprob] of the top-k]]."""
         targets = step.token_ids[1:] + ([step.next_token] if step.next_token >= 0 else [])
-        if not targets:
-            return []
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:len(targets)]).float(), dim=-1)  # [n, V]
-        picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])      # [n, 1]
-        ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()
-        picked = picked.squeeze(1).tolist()
-        if step.prompt_logprobs == 0:
-            return [[lp, r, []] for lp, r in zip(picked, ranks)]
-        values, ids = torch.topk(logprobs, step.prompt_logprobs, dim=-1)     # [n, k]
-        return [[lp, r, [list(p) for p in zip(i, v)]]
-                for lp, r, i, v in zip(picked, ranks, ids.tolist(), values.tolist())]
+        out: list[list] = []
+        # A few rows at a time: [rows, vocab] float32 temporaries, not [chunk, vocab] ones.
+        for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            rows = targets[lo:lo + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[lo:lo + len(rows)]).float()             # [n, V]
+            logprobs = torch.log_softmax(logits, dim=-1)
+            picked = logprobs.gather(1, torch.tensor(rows, device=logprobs.device)[:, None])    # [n, 1]
+            ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()
+            picked = picked.squeeze(1).tolist()
+            if step.prompt_logprobs == 0:
+                out += [[lp, r, []] for lp, r in zip(picked, ranks)]
+                continue
+            values, ids = torch.topk(logprobs, step.prompt_logprobs, dim=-1)     # [n, k]
+            out += [[lp, r, [list(p) for p in zip(i, v)]]
+                    for lp, r, i, v in zip(picked, ranks, ids.tolist(), values.tolist())]
+        return out
 
     def close(self) -> None:
         """Drop the views of the pool (before the pool's mapping is closed: touching them would segfault)."""
