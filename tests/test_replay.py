@@ -213,3 +213,35 @@ def test_the_scheduler_waits_for_the_kvstore_exactly_when_bytes_move():
     assert _moves_bytes([["append_tokens", [1, 2], [5, 6]]], [[True, [[2, 8, 9]]]])   # copy-on-write
     assert _moves_bytes([["append_slots", 3, [7]]], [[True, [[8, 9]]]])
     assert _moves_bytes([["swap_in", [3]]], [[True, [[1, 2]]]])
+
+
+def test_a_request_id_that_comes_back_is_sampled_with_its_own_params():
+    """A request finishes and is forgotten; a new one with the same id (a client's X-Request-Id)
+    arrives before the next step: the worker must get and use the new params, not its cached old ones."""
+    from services import protocol
+    from services.sampling_params import SamplingParams
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.stepper import WorkerView
+    from services.worker.step_inputs import StepInputs
+    from services.worker.worker_core import SampleResult
+    store = RecordingStore(BlockStore(64, 0, 16))
+    core = Scheduler(SchedulerConfig(max_model_len=512, vocab_size=1000), store, clock=lambda: 0.0)
+    view, worker = WorkerView(), StepInputs()
+
+    def step():
+        s = core.schedule()
+        msg = protocol.decode(protocol.encode(view.execute_step(1, s, store, core.requests)))
+        worker.apply_deltas(msg)
+        _, samples = worker.build(msg)
+        worker.drop_params(msg)
+        return core.update(s, [SampleResult(w.seq_id, 5, -1.0) for ws in samples for w in ws]), samples
+
+    core.add_request("job-1", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0))
+    finished, _ = step()
+    for r in finished:
+        core.requests.pop(r.request_id)       # as the scheduler process forgets a finished request
+    core.add_request("job-1", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.9, logit_bias={7: 100.0}))
+    _, samples = step()
+    params = samples[0][0].params
+    assert (params.temperature, params.logit_bias, params.max_tokens) == (0.9, {7: 100.0}, 8)
+    assert len(worker.params) == 1
