@@ -154,14 +154,15 @@ class BlockStore:
         return self._blocks_needed(self._tables(seq_ids, DEVICE), num_new_tokens)
 
     def _blocks_needed(self, tables: list[SequenceTable], num_new_tokens: int,
-                       growing: list[int] | None = None) -> int:
+                       growing: list[int] | None = None, location: str = DEVICE) -> int:
         """(growing: with one new token each, the indices of the tables that take a new block or
-        copy a shared one are appended to it; every other table owns the block its token lands in.)"""
+        copy a shared one are appended to it; every other table owns the block its token lands in.
+        location: where the tables are now; a swapped group's host refcounts are its in-group ones.)"""
         if num_new_tokens <= 0:
             return 0
         # Called for every running request every step: plain loops, no Counter unless a written
         # block is actually shared (rare outside forks and beams).
-        refcounts, bs = self._device._refcounts, self.block_size
+        refcounts, bs = self._alloc(location)._refcounts, self.block_size
         writers: Counter[int] | None = None
         new = 0
         if num_new_tokens == 1:   # a decode step: one block to look at per table
@@ -304,6 +305,13 @@ class BlockStore:
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> bool:
         return len(self._group_refs(self._tables(seq_ids, HOST))) <= self._device.num_free
+
+    def swap_in_blocks_needed(self, seq_ids: Iterable[int], growing_ids: Iterable[int]) -> int:
+        """Device blocks that swapping a group in takes, plus one new token on each of growing_ids
+        (new blocks and copy-on-write copies, counted as append_blocks_needed counts them)."""
+        tables = self._tables(seq_ids, HOST)
+        return len(self._group_refs(tables)) + self._blocks_needed(self._tables(growing_ids, HOST), 1,
+                                                                   location=HOST)
 
     def swap_out(self, seq_ids: Iterable[int]) -> SwapResult:
         """Move a group (one request's sequences) to the host pool, all or nothing."""

@@ -117,6 +117,7 @@ def test_the_scheduler_keeps_its_lease_through_a_pause_and_a_state_outage():
     state = MemoryState(clock=clock)
     svc = SimpleNamespace(state=state, model_name="m", owner={},
                           config=SimpleNamespace(replica_id="r0", advertise=None, endpoint="ipc:///x"))
+    svc._register_replica = lambda st, info: SchedulerService._register_replica(svc, st, info)
     state.register_replica("r0", "ipc:///x", {}, ttl_s=5.0)
     clock.now += 7                                   # paused past the lease
     assert state.live_replicas() == []

@@ -27,8 +27,7 @@ async def create_chat_completion(ctx: "RouterContext", request):
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
-    size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
-               for m in req.messages)
+    size = sum(len(_text(m.content)) for m in req.messages)
     prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No max_tokens in chat means "the rest of the context", as in vLLM.

@@ -47,7 +47,7 @@ class ChoiceState:
         self.eos_token_ids = eos_token_ids
         self.stop_token_ids = stop_token_ids
         self.min_tokens = min_tokens       # stop strings may end only in text of later tokens
-        self.stop_reason: str | int | None = None
+        self.stop_token: int | None = None   # the stop_token_id that ended it
         self.token_ids: list[int] = []
         self.text = ""
         self.decoded_len = 0
@@ -58,6 +58,11 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's stop_reason: the stop string that ended the choice, else its stop token id."""
+        return self.stops.matched if self.stops.matched is not None else self.stop_token
 
     def apply(self, delta: CompletionDelta) -> ChoiceEvent:
         parts: list[str] = []
@@ -72,7 +77,7 @@ class ChoiceState:
             new_lps.append(entry)
             if k == len(ids) - 1 and delta.finish_reason == "stop":
                 if tid in self.stop_token_ids:
-                    self.stop_reason = tid
+                    self.stop_token = tid
                 if (tid in self.stop_token_ids or tid in self.eos_token_ids) and not self.stops.include:
                     continue
             piece = self.detok.push(tid)
@@ -82,7 +87,7 @@ class ChoiceState:
             if matched:
                 break      # tokens after the one that completed a stop string are dropped
         if matched:
-            self.finish_reason, self.stop_reason = "stop", self.stops.matched
+            self.finish_reason = "stop"
         elif delta.finish_reason is not None:
             tail = self.detok.flush()
             self.decoded_len += len(tail)
@@ -91,8 +96,6 @@ class ChoiceState:
             if not matched:
                 parts.append(self.stops.flush())
             self.finish_reason = "stop" if matched else delta.finish_reason
-            if matched:
-                self.stop_reason = self.stops.matched
         self.cumulative_logprob = delta.cumulative_logprob
         text = "".join(parts)
         self.text += text
@@ -105,8 +108,6 @@ class ChoiceState:
         text = out + ("" if matched else self.stops.flush())
         self.text += text
         self.finish_reason = "stop" if matched else reason
-        if matched:
-            self.stop_reason = self.stops.matched
         return ChoiceEvent(self.index, text, [], self.finish_reason, 0, self.stop_reason)
 
 

@@ -313,7 +313,7 @@ class Scheduler:
             ids = [s.seq_id for s in req.seqs]
             if self._num_live_seqs() + len(ids) > self.config.max_num_seqs:
                 break
-            # Room for the blocks coming back plus one new block per sequence for its next token.
+            # Room for the blocks coming back and for the next tokens (_room_after_swap_in).
             if not self.store.can_swap_in(ids) or not self._room_after_swap_in(req):
                 if not self.running:
                     # Nothing else holds device memory: it can never come back.
@@ -332,29 +332,12 @@ class Scheduler:
             self._schedule_request(req, out, budget)
 
     def _room_after_swap_in(self, req: Request) -> bool:
-        """Room for the blocks coming back and for every sequence's next token: a new block where
-        the last one is full, a copy where it is shared (copy-on-write)."""
-        bs, store = self.store.block_size, self.store
-        tables = [store.block_table(s.seq_id) for s in req.seqs]
-        need = len({b for t in tables for b in t})
-        holders: dict[int, int] = {}       # block -> tables of this request holding it (swapped
-        for t in tables:                   # requests share blocks only among themselves)
-            for b in t:
-                holders[b] = holders.get(b, 0) + 1
-        writers: dict[int, int] = {}
-        for seq, table in zip(req.seqs, tables):
-            # The slot the next step writes: the last sampled token's, if it has none yet.
-            num_tokens = store.num_tokens(seq.seq_id)
-            if seq.num_tokens == num_tokens:
-                continue
-            if num_tokens % bs == 0:
-                need += 1                  # a new block past the end
-            elif holders[table[-1]] > 1:
-                writers[table[-1]] = writers.get(table[-1], 0) + 1
-        # w writers of a block r tables hold copy it w times, or w - 1 when all of them write (the
-        # last one owns it by then), as BlockStore.append_blocks_needed counts.
-        need += sum(w - (w == holders[b]) for b, w in writers.items())
-        return store.num_free_device_blocks >= need
+        """Room for the blocks coming back and for the next token of every sequence whose last
+        sampled token has no slot yet."""
+        growing = [s.seq_id for s, have in zip(req.seqs, self.store.num_tokens_of([s.seq_id for s in req.seqs]))
+                   if s.num_tokens != have]
+        need = self.store.swap_in_blocks_needed([s.seq_id for s in req.seqs], growing)
+        return self.store.num_free_device_blocks >= need
 
     def _abort_unservable(self, req: Request, why: str, out: ScheduledStep) -> None:
         """End a request that can never fit; it goes out with this step, so its router hears of it."""

@@ -106,6 +106,9 @@ class StepTiming:
             self.sums, self.steps, self.last = [0.0] * len(self.NAMES), 0, time.monotonic()
 
 
+LEASE_S = 5.0   # the replica's lease in the shared state, renewed every heartbeat
+
+
 class SchedulerService:
     def __init__(self, config: Config):
         from services.worker.model_loader import inspect_model_dir
@@ -166,8 +169,7 @@ class SchedulerService:
             return None
         from services.state import RedisState
         state = RedisState(self.config.redis_url)
-        state.register_replica(self.config.replica_id, self.config.advertise or self.config.endpoint,
-                               {"model": self.model_name}, ttl_s=5.0)
+        self._register_replica(state, {"model": self.model_name})
         return state
 
     # ---- messages from routers -------------------------------------------------------------
@@ -364,12 +366,15 @@ class SchedulerService:
             return
         info = {"model": self.model_name, "load": len(self.owner)}
         try:
-            if not self.state.renew_replica(self.config.replica_id, ttl_s=5.0, info=info):
+            if not self.state.renew_replica(self.config.replica_id, ttl_s=LEASE_S, info=info):
                 log.warning("the replica's lease had lapsed; registering again")
-                self.state.register_replica(self.config.replica_id, self.config.advertise or self.config.endpoint,
-                                            info, ttl_s=5.0)
+                self._register_replica(self.state, info)
         except Exception as e:   # redis-py's ConnectionError, TimeoutError, ...
             log.warning("cannot renew the replica's lease in the shared state: %s", e)
+
+    def _register_replica(self, state, info: dict) -> None:
+        state.register_replica(self.config.replica_id, self.config.advertise or self.config.endpoint,
+                               info, ttl_s=LEASE_S)
 
     def stats(self) -> dict:
         try:

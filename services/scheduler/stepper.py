@@ -16,13 +16,13 @@ class WorkerView:
 
     def __init__(self):
         self.tables: dict[int, list[int]] = {}
-        self.params: dict[str, dict] = {}
+        self.params: dict[str, str] = {}        # request id -> key of the params the worker holds for it
         self.with_history: set[str] = set()     # params keys whose sampling reads the token history
         self.stale: tuple[list, list] = ([], [])   # (tables, params) to drop with the next step
 
     def forget_all(self) -> None:
         """The block stores were reset: tell the worker, with the next step, to drop everything."""
-        self.stale = (self.stale[0] + list(self.tables), self.stale[1] + list(self.params))
+        self.stale = (self.stale[0] + list(self.tables), self.stale[1] + list(self.params.values()))
         self.tables, self.params = {}, {}
         self.with_history.clear()
 
@@ -31,6 +31,7 @@ class WorkerView:
         updates, new_params, histories, prompt_logprobs = {}, {}, {}, {}
         ids, tokens, starts, samples_of = [], [], [], []   # the SeqWork columns, built as columns
         tables, params = self.tables, self.params
+        replaced = []
         for s, wanted, req in zip(scheduled.steps, scheduled.samples, scheduled.step_requests):
             table = s.block_table
             known = tables.get(s.seq_id)
@@ -39,8 +40,12 @@ class WorkerView:
                 updates[s.seq_id] = [start, *table[start:]]
                 tables[s.seq_id] = list(table)
             key = req.params_key
-            if key not in params:
-                params[key] = new_params[key] = req.params.to_dict()
+            if params.get(req.request_id) != key:   # new, or an id that came back: its own params
+                old = params.get(req.request_id)
+                if old is not None:
+                    replaced.append(old)
+                params[req.request_id] = key
+                new_params[key] = req.params.to_dict()
                 if req.params.uses_penalties:
                     self.with_history.add(key)
             if len(wanted) == 1:   # most steps of most sequences: no comprehension (a call of its own)
@@ -61,9 +66,8 @@ class WorkerView:
         for sid in freed:
             del tables[sid]
         # The scheduler process removes a request from `requests` once it finished and was flushed.
-        dropped = list(params.keys() - {r.params_key for r in requests.values()})
+        dropped = [params.pop(rid) for rid in params.keys() - requests.keys()] + replaced
         for k in dropped:
-            del params[k]
             self.with_history.discard(k)
         if self.stale[0] or self.stale[1]:
             freed, dropped = freed + self.stale[0], dropped + self.stale[1]
