@@ -115,7 +115,6 @@ def format_table(workload: str, source: str, results: list[SharingResult]) -> st
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="tiny llama folder (built if missing)")
-    ap.add_argument("--traces-dir", default=None, help="folder with alpaca_5000.json and the ShareGPT csv")
     ap.add_argument("--requests", type=int, default=96, help="requests per Alpaca cell")
     ap.add_argument("--sharegpt-requests", type=int, default=32,
                     help="requests per ShareGPT cell (10x the tokens of Alpaca's)")
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[SharingResult]:
                 for width in WIDTHS:
                     count = args.requests if workload == "alpaca" else \
                         args.sharegpt_beam_requests if mode == "beam" else args.sharegpt_requests
-                    lengths = scale_lengths(sample_lengths(workload, count, args.seed, args.traces_dir),
+                    lengths = scale_lengths(sample_lengths(workload, count, args.seed),
                                             args.divisor, max_total)
                     source = f"{lengths.source}; mean prompt {lengths.mean_prompt:.0f}, " \
                              f"output {lengths.mean_output:.0f} tokens"

@@ -45,12 +45,11 @@ def ensure_model(model_dir: str, hidden_size: int, max_len: int) -> str:
     return str(path)
 
 
-def make_requests(n: int, divisor: float, max_total: int, vocab: int, seed: int,
-                  traces_dir: str | None) -> tuple[list[tuple[list[int], int]], str]:
+def make_requests(n: int, divisor: float, max_total: int, vocab: int, seed: int) -> tuple[list[tuple[list[int], int]], str]:
     """n (prompt ids, max_tokens) with ShareGPT-like lengths divided by `divisor`."""
     from loadgen.lengths import sample_lengths, scale_lengths
 
-    lengths = scale_lengths(sample_lengths("sharegpt", n, seed, traces_dir), divisor, max_total)
+    lengths = scale_lengths(sample_lengths("sharegpt", n, seed), divisor, max_total)
     rng = random.Random(seed)
     reqs = [([rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(p)], o) for p, o in lengths.pairs]
     return reqs, f"{lengths.source}: mean prompt {lengths.mean_prompt:.0f}, output {lengths.mean_output:.0f}"
@@ -122,7 +121,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="tiny llama folder (built if missing)")
     ap.add_argument("--hidden-size", type=int, default=256, help="width of the model built if missing")
-    ap.add_argument("--traces-dir", default=None, help="folder with the ShareGPT csv")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8, help="transformers' static batch size")
     ap.add_argument("--divisor", type=float, default=2.0, help="divide ShareGPT lengths by this")
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     with Engine(EngineConfig(model=model_dir, max_num_seqs=256, seed=args.seed)) as engine:
         max_total = min(args.max_len, engine.max_model_len)
         reqs, source = make_requests(args.requests, args.divisor, max_total, len(engine.tokenizer),
-                                     args.seed, args.traces_dir)
+                                     args.seed)
         pad_id = engine.tokenizer.pad_token_id
         warm = [(p[:8], 4) for p, _ in reqs[:args.batch_size]]   # first calls pay one-off costs
         run_engine(engine, warm)

@@ -57,13 +57,26 @@ def test_throughput_quick_counts_only_real_tokens(tiny_llama, one_thread, capsys
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
-def test_fallback_distribution_matches_paper_means(workload, tmp_path):
-    lengths = sample_lengths(workload, 4000, seed=1, traces_dir=tmp_path)   # no trace files there
+def test_fitted_distribution_matches_paper_means_and_tails(workload):
+    lengths = sample_lengths(workload, 40000, seed=1)
     w = WORKLOADS[workload]
-    assert lengths.source == "log-normal fit"
-    assert lengths.mean_prompt == pytest.approx(w.mean_prompt, rel=0.1)
-    assert lengths.mean_output == pytest.approx(w.mean_output, rel=0.1)
+    assert lengths.mean_prompt == pytest.approx(w.mean_prompt, rel=0.03)
+    assert lengths.mean_output == pytest.approx(w.mean_output, rel=0.03)
     assert min(min(p) for p in lengths.pairs) >= 1
+    assert max(p + o for p, o in lengths.pairs) < 2048
+    for i, median in ((0, w.median_prompt), (1, w.median_output)):
+        xs = sorted(pair[i] for pair in lengths.pairs)
+        # Long-tailed: the median sits well below the mean and the p99 is several medians out.
+        assert xs[len(xs) // 2] == pytest.approx(median, rel=0.08)
+        assert xs[int(0.99 * len(xs))] > 4 * xs[len(xs) // 2]
+
+
+def test_alpaca_fit_has_the_public_samples_shape():
+    """The Alpaca sample tokenized with GPT-2's BPE: prompt p90 30, output p90 127 (traces README)."""
+    pairs = sample_lengths("alpaca", 40000, seed=2).pairs
+    p90 = lambda xs: sorted(xs)[int(0.9 * len(xs))]
+    assert 28 <= p90([p for p, _ in pairs]) <= 42
+    assert 105 <= p90([o for _, o in pairs]) <= 135
 
 
 def test_scaling_divides_then_caps_output_first():

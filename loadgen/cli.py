@@ -1,0 +1,71 @@
+"""`loadgen`: replay traces against any OpenAI-compatible server (`replay`), sweep request rates
+(`sweep`), and put runs side by side (`compare`). Options: loadgen.config; `loadgen CMD --help`.
+
+A run that cannot start (server down, bad trace, bad flag) is one line on stderr and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loadgen.config import CompareConfig, ReplayConfig, SweepConfig
+from services.flags import ConfigError, add_flags, from_args
+
+COMMANDS = {
+    "replay": (ReplayConfig, "replay a workload once and write its report"),
+    "sweep": (SweepConfig, "one replay per request rate, and latency against rate"),
+    "compare": (CompareConfig, "several sweeps or replays on the same axes and in one table"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loadgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (cls, help_text) in COMMANDS.items():
+        add_flags(sub.add_parser(name, help=help_text, description=help_text), cls)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    cls, _ = COMMANDS[args.command]
+    from loadgen.replay import ReplayError
+    from loadgen.traces import TraceError
+    try:
+        cfg = from_args(cls, {k: v for k, v in vars(args).items() if k != "command"})
+        return _run(args.command, cfg)
+    except (ConfigError, ReplayError, TraceError) as e:
+        print(f"loadgen {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(command: str, cfg) -> int:
+    from loadgen import sweep as sweeps
+    if command == "replay":
+        from loadgen.replay import replay
+        from loadgen.report import write_outputs
+        summary = write_outputs(replay(cfg), cfg.out)
+        print(_one_line(summary) + f"; report in {cfg.out}/report.md")
+        return 130 if summary["interrupted"] else 0
+    if command == "sweep":
+        result = sweeps.sweep(cfg)
+        for row in result["rows"]:
+            print(f"rate {row['rate']:g}: {row['request_throughput']:.2f} req/s, normalized latency "
+                  f"{row['normalized_latency']:.4f} s/token, p99 TTFT {row['p99_ttft_ms']:.1f} ms")
+        print(f"sweep in {cfg.out}/sweep.md")
+        return 130 if any(r["interrupted"] for r in result["rows"]) else 0
+    sweeps.compare(cfg)
+    print(f"comparison in {cfg.out}/compare.md")
+    return 0
+
+
+def _one_line(s: dict) -> str:
+    errors = ", ".join(f"{k} {v}" for k, v in s["errors"].items())
+    return (f"{s['completed']} completed, {s['failed']} failed{f' ({errors})' if errors else ''} in "
+            f"{s['duration']:.1f} s: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+            f"TTFT mean {s['mean_ttft_ms']:.1f} ms, TPOT mean {s['mean_tpot_ms']:.2f} ms")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

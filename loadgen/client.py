@@ -1,0 +1,197 @@
+"""The project's one HTTP client for OpenAI-compatible servers: one request in, one timed record out.
+
+It shares the cores with the server it measures, so it does as little per token as it can: the
+body is read in whatever pieces the socket gives (`iter_any`, not line by line), events are cut at
+blank lines, and one `json.loads` per event finds out whether it carries text (a token event: its
+arrival time is kept), an error, or the usage. Output tokens are the usage's `completion_tokens`
+(streams ask for it with `stream_options.include_usage`), not the number of events: a server may
+put several tokens in one event.
+
+Every failure is a record with an error kind, never an exception: `connect`, `timeout`, `http_NNN`,
+`stream_error` (an error event inside a 200 stream), `disconnect` (the body was cut), `bad_response`
+and `interrupted` (Ctrl-C).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+
+from loadgen.workload import PlannedRequest
+
+
+@dataclass
+class Target:
+    url: str                        # base URL, no trailing slash
+    model: str
+    endpoint: str = "completions"   # or "chat"
+    api_key: str | None = None
+    stream: bool = True
+    temperature: float = 0.0
+    force_output_len: bool = True
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, req: PlannedRequest) -> dict:
+        body: dict = {"model": self.model, "temperature": self.temperature, "stream": self.stream}
+        if self.endpoint == "completions":
+            body["prompt"] = req.prompt
+            body["max_tokens"] = req.output_len
+        else:
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["max_completion_tokens"] = req.output_len
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.force_output_len:
+            body["ignore_eos"] = True
+            body["min_tokens"] = req.output_len
+        return body
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    arrival: float                          # when it was due (s after the run's start)
+    input_len: int                          # planned prompt tokens
+    output_len: int                         # asked output tokens
+    prefix_blocks: int = 0
+    send: float | None = None               # when it went out (later than arrival under --max-concurrency)
+    first_token: float | None = None        # streams: arrival of the first event with text
+    token_times: list[float] = field(default_factory=list)   # every event with text (streams)
+    end: float | None = None
+    prompt_tokens: int | None = None        # the server's usage
+    output_tokens: int | None = None
+    status: int | None = None
+    error: str | None = None                # kind; None when it succeeded
+    error_detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.send
+
+    @property
+    def e2el(self) -> float:
+        return self.end - self.send
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+async def send(session: aiohttp.ClientSession, target: Target, req: PlannedRequest, t0: float,
+               timeout: float) -> RequestRecord:
+    """Send one request; the record's times are seconds after t0 (perf_counter)."""
+    rec = RequestRecord(req.index, req.arrival, req.input_len, req.output_len, req.prefix_blocks)
+    clock = time.perf_counter
+    rec.send = clock() - t0
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(target.url + target.path, json=target.body(req),
+                                    headers=target.headers()) as resp:
+                rec.status = resp.status
+                if resp.status != 200:
+                    detail = (await resp.text())[:500]
+                    return _failed(rec, f"http_{resp.status}", detail, clock() - t0)
+                if target.stream:
+                    await _read_stream(resp, rec, t0)
+                else:
+                    _take_usage(rec, await resp.json(content_type=None))
+    except asyncio.CancelledError:
+        _failed(rec, "interrupted", "the run was stopped", clock() - t0)
+        raise
+    except TimeoutError:
+        return _failed(rec, "timeout", f"no answer within {timeout:g} s", clock() - t0)
+    except aiohttp.ClientConnectorError as e:
+        return _failed(rec, "connect", str(e), clock() - t0)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+        return _failed(rec, "disconnect", str(e) or type(e).__name__, clock() - t0)
+    except aiohttp.ClientError as e:
+        return _failed(rec, "client", f"{type(e).__name__}: {e}", clock() - t0)
+    except (ValueError, KeyError, TypeError) as e:
+        return _failed(rec, "bad_response", f"{type(e).__name__}: {e}", clock() - t0)
+    rec.end = clock() - t0
+    if rec.error is None and rec.output_tokens is None:
+        if target.stream and rec.token_times:
+            rec.output_tokens = len(rec.token_times)   # no usage: one token per event, a lower bound
+        else:
+            return _failed(rec, "bad_response", "no usage in the response", rec.end)
+    return rec
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
+    clock, buf = time.perf_counter, b""
+    async for piece in resp.content.iter_any():
+        now = clock() - t0
+        buf += piece
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data:"):
+                continue                            # comments, keep-alives
+            data = event[5:].strip()
+            if data == b"[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj or obj.get("object") == "error":
+                err = obj.get("error", obj)
+                rec.error, rec.error_detail = "stream_error", str(err.get("message", err) if isinstance(err, dict) else err)
+                return
+            if _has_text(obj):
+                if rec.first_token is None:
+                    rec.first_token = now
+                rec.token_times.append(now)
+            if obj.get("usage"):
+                _take_usage(rec, obj)
+    if buf.strip():
+        raise aiohttp.ClientPayloadError("the stream ended inside an event")
+
+
+def _has_text(obj: dict) -> bool:
+    for choice in obj.get("choices") or ():
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content"):
+            return True
+    return False
+
+
+def _take_usage(rec: RequestRecord, obj: dict) -> None:
+    usage = obj.get("usage") or {}
+    if "completion_tokens" in usage:
+        rec.output_tokens = int(usage["completion_tokens"])
+    if "prompt_tokens" in usage:
+        rec.prompt_tokens = int(usage["prompt_tokens"])
+
+
+def _failed(rec: RequestRecord, kind: str, detail: str, now: float) -> RequestRecord:
+    rec.error, rec.error_detail, rec.end = kind, detail, now
+    return rec
+
+
+def new_session(max_concurrency: int | None) -> aiohttp.ClientSession:
+    """One keep-alive pool for the whole run; no per-session timeout (each request has its own)."""
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, ttl_dns_cache=300, force_close=False)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                 read_bufsize=1 << 18)
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, headers: dict | None = None) -> dict:
+    async with session.get(url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=10)) as r:
+        r.raise_for_status()
+        return await r.json(content_type=None)

@@ -1,0 +1,133 @@
+"""The load generator's options: one dataclass per subcommand, flags derived from the fields
+(services.flags). Names follow `vllm bench serve` where the meaning is the same."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loadgen.traces import TRACE_NAMES
+from loadgen.workload import FIT_MODES
+from services.flags import opt
+
+ENDPOINTS = ("completions", "chat")
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def _positive(v) -> bool | str:
+    return v > 0 or "must be > 0"
+
+
+def _at_least(n):
+    return lambda v: v >= n or f"must be >= {n}"
+
+
+def _percentiles(ps) -> bool | str:
+    return all(0 < p < 100 for p in ps) or "each percentile must lie in (0, 100)"
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds), as vLLM's --goodput."""
+    slos = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"{item!r}: expected KEY:MS with KEY one of {', '.join(SLO_KEYS)}")
+        ms = float(value)
+        if not ms > 0:
+            raise ValueError(f"{item!r}: the limit must be > 0 ms")
+        slos[key] = ms
+    return slos
+
+
+def _goodput(items) -> bool | str:
+    try:
+        parse_goodput(items)
+        return True
+    except ValueError as e:
+        return str(e)
+
+
+@dataclass
+class ReplayConfig:
+    # target
+    url: str = opt("http://127.0.0.1:8000", "the server's base URL (any OpenAI-compatible server)")
+    model: str | None = opt(None, "model name to send (default: the first id in /v1/models)")
+    endpoint: str = opt("completions", "API to call", choices=ENDPOINTS)
+    api_key: str | None = opt(None, "bearer token", env="OPENAI_API_KEY")
+    tokenizer: str | None = opt(None, "local tokenizer folder: send text prompts of exact token length "
+                                      "(default: token-id prompts, completions only)")
+    # workload
+    trace: str = opt("sharegpt", f"workload: one of {', '.join(TRACE_NAMES)}, or a JSONL file "
+                                 "(prompt or input_length, output_length, optional timestamp in ms, hash_ids)")
+    input_len: int = opt(1024, "random trace: prompt tokens", check=_at_least(1))
+    output_len: int = opt(128, "random trace: output tokens", check=_at_least(1))
+    range_ratio: float = opt(0.0, "random trace: lengths uniform in len*(1-r) .. len*(1+r)",
+                             check=lambda v: 0 <= v < 1 or "must lie in [0, 1)")
+    max_model_len: int | None = opt(None, "fit lengths to this context (default: max_model_len from /v1/models)",
+                                    check=_at_least(2))
+    fit: str = opt("scale", "scale: shrink every length so the p99 request fits, cap the rest; "
+                            "filter: drop requests that do not fit", choices=FIT_MODES)
+    num_requests: int | None = opt(None, "requests to send (default: 1000 for a drawn workload, "
+                                         "the whole file for a trace)", check=_at_least(1))
+    duration: float | None = opt(None, "send only requests that arrive within this many seconds", check=_positive)
+    kv_block_size: int = opt(16, "the server's KV block size: a trace block becomes a whole number of them",
+                             check=_at_least(1))
+    vocab_size: int = opt(1000, "token-id prompts draw ids from [10, this)", check=_at_least(11))
+    # arrivals
+    rate: float = opt(math.inf, "requests per second (Poisson), or inf: all at once", check=_positive)
+    burstiness: float = opt(1.0, "gamma shape of the gaps (1: Poisson; lower: burstier)", check=_positive)
+    trace_times: bool = opt(False, "use the trace's own timestamps instead of --rate")
+    speed: float = opt(1.0, "with --trace-times: divide the trace's times by this", check=_positive)
+    max_concurrency: int | None = opt(None, "at most this many requests in flight", check=_at_least(1))
+    warmup: int = opt(0, "requests sent (and awaited) before the run, left out of the figures", check=_at_least(0))
+    seed: int = opt(0, "fixes every draw: lengths, arrivals, prompts")
+    # requests
+    stream: bool = opt(True, "stream responses (SSE); TTFT, TPOT and ITL need it")
+    temperature: float = opt(0.0, "sampling temperature sent", check=lambda v: v >= 0 or "must be >= 0")
+    force_output_len: bool = opt(True, "send ignore_eos and min_tokens so that every output has its length")
+    timeout: float = opt(600.0, "seconds a request may take before it counts as a timeout", check=_positive)
+    # report
+    percentiles: list[float] = opt([50.0, 90.0, 99.0], "percentiles to report", check=_percentiles)
+    goodput: list[str] = opt([], "SLOs as KEY:MS (ttft, tpot, e2el), e.g. ttft:500 tpot:50", check=_goodput)
+    metrics_interval: float = opt(0.5, "seconds between scrapes of the server's /metrics (0: none)",
+                                  check=lambda v: v >= 0 or "must be >= 0")
+    out: str = opt("loadgen-out", "folder for summary.json, requests.jsonl, metrics.jsonl, report.md, plots")
+    label: str | None = opt(None, "name of this run in reports (default: the server and the trace)")
+    plots: bool = opt(True, "write PNG plots (matplotlib)")
+    progress: bool = opt(True, "show a progress bar on stderr")
+    grace: float = opt(5.0, "after Ctrl-C, seconds to wait for requests in flight", check=lambda v: v >= 0 or "must be >= 0")
+
+    @property
+    def slos(self) -> dict[str, float]:
+        return parse_goodput(self.goodput)
+
+
+def _rate_list(rates: list[str]) -> bool | str:
+    try:
+        return all(float(r) > 0 for r in rates) and bool(rates) or "rates must be numbers > 0 (or auto)"
+    except ValueError:
+        return "rates must be numbers > 0 (or auto)"
+
+
+@dataclass
+class SweepConfig(ReplayConfig):
+    rates: list[str] = opt(["auto"], "request rates, e.g. 1,2,4,8; or auto: find the saturated "
+                                     "throughput with --rate inf, then rates spread below it",
+                             check=lambda rs: rs == ["auto"] or _rate_list(rs))
+    auto_points: int = opt(5, "with --rates auto: this many rates, evenly up to the saturated one",
+                           check=_at_least(1))
+    max_normalized_latency: float | None = opt(None, "mark the highest rate whose normalized latency (s/token) "
+                                                     "stays under this", check=_positive)
+
+    def rate_values(self) -> list[float] | None:
+        """The rates asked for, or None for auto."""
+        if self.rates == ["auto"]:
+            return None
+        return [float(r) for r in self.rates]
+
+
+@dataclass
+class CompareConfig:
+    dirs: list[str] = opt([], "sweep or replay folders to put side by side", positional=True, metavar="DIR")
+    labels: list[str] = opt([], "a name for each folder (default: the folder's label)")
+    out: str = opt("loadgen-compare", "folder for compare.md and compare.png")

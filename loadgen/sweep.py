@@ -1,0 +1,136 @@
+"""`loadgen sweep` (one replay per request rate, the same workload and seed at each) and
+`loadgen compare` (several sweeps or replays on the same axes and in one table).
+
+A sweep folder holds rate_<R>/ (a whole replay each), sweep.json, sweep.md and sweep.png: normalized
+latency and p99 TTFT against the rate, the PagedAttention paper's Fig. 12.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from loadgen.config import CompareConfig, SweepConfig
+from loadgen.replay import ReplayError, replay
+from loadgen.report import jsonable, load_summary, write_outputs
+
+ROW_FIELDS = ("rate", "request_throughput", "output_throughput", "normalized_latency", "mean_ttft_ms",
+              "p99_ttft_ms", "mean_tpot_ms", "p99_e2el_ms", "completed", "failed")
+
+
+def auto_rates(saturated_rps: float, points: int) -> list[float]:
+    """`points` rates evenly spread up to the saturated request throughput (3 significant digits)."""
+    if not saturated_rps > 0:
+        raise ReplayError("the saturation run completed no request: no rate to sweep below it")
+    return [float(f"{saturated_rps * i / points:.3g}") for i in range(1, points + 1)]
+
+
+def row_of(summary: dict, rate: float | None, folder: str) -> dict:
+    return {"rate": rate, "dir": folder, "request_throughput": summary["request_throughput"],
+            "output_throughput": summary["output_throughput"],
+            "normalized_latency": summary["mean_normalized_latency_s_per_token"],
+            "mean_ttft_ms": summary["mean_ttft_ms"], "p99_ttft_ms": summary.get("p99_ttft_ms", math.nan),
+            "mean_tpot_ms": summary["mean_tpot_ms"], "p99_e2el_ms": summary.get("p99_e2el_ms", math.nan),
+            "completed": summary["completed"], "failed": summary["failed"],
+            "interrupted": summary.get("interrupted", False)}
+
+
+def sweep(cfg: SweepConfig) -> dict:
+    out = Path(cfg.out)
+    rows: list[dict] = []
+    percentiles = sorted(set(cfg.percentiles) | {99.0})      # the plot needs p99
+
+    def run(rate: float) -> dict:
+        folder = f"rate_{rate:g}"
+        one = dataclasses.replace(cfg, rate=rate, trace_times=False, out=str(out / folder), percentiles=percentiles)
+        summary = write_outputs(replay(one), one.out)
+        rows.append(row_of(summary, rate, folder))
+        return summary
+
+    rates = cfg.rate_values()
+    if rates is None:
+        saturated = run(math.inf)
+        rates = [] if saturated["interrupted"] else auto_rates(saturated["request_throughput"], cfg.auto_points)
+    for rate in rates:
+        if rows and rows[-1]["interrupted"]:
+            break
+        run(rate)
+    label = cfg.label or f"{cfg.url} {cfg.trace}"
+    result = {"label": label, "trace": cfg.trace, "rows": rows,
+              "max_normalized_latency": cfg.max_normalized_latency,
+              "sustained_rate": sustained_rate(rows, cfg.max_normalized_latency)}
+    write_sweep(result, out, cfg.plots)
+    return result
+
+
+def sustained_rate(rows: list[dict], limit: float | None) -> float | None:
+    """The highest finite rate whose normalized latency stays under `limit`."""
+    if limit is None:
+        return None
+    held = [r["rate"] for r in rows if r["rate"] is not None and math.isfinite(r["rate"])
+            and r["completed"] and r["normalized_latency"] <= limit]
+    return max(held) if held else None
+
+
+def write_sweep(result: dict, out: Path, plots: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(jsonable(result), indent=2) + "\n")
+    lines = [f"# loadgen sweep: {result['label']}", "", _table({result["label"]: result["rows"]})]
+    if result["max_normalized_latency"] is not None:
+        held = result["sustained_rate"]
+        lines += ["", f"Highest rate with normalized latency <= {result['max_normalized_latency']:g} s/token: "
+                  + (f"**{held:g} req/s**" if held is not None else "none of those tried")]
+    if plots:
+        from loadgen.plots import rate_plot
+        finite = {result["label"]: [r for r in result["rows"] if math.isfinite(r["rate"])]}
+        lines += ["", f"![sweep]({rate_plot(finite, out / 'sweep.png', result['max_normalized_latency'])})"]
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+
+
+def _table(series: dict[str, list[dict]]) -> str:
+    head = "| run | rate (req/s) | req/s | output tok/s | normalized latency (s/token) | TTFT mean / p99 (ms) " \
+           "| TPOT mean (ms) | E2E p99 (ms) | completed / failed |"
+    lines = [head, "|---|" + "---|" * 8]
+    for label, rows in series.items():
+        for r in rows:
+            rate = "inf" if r["rate"] is None or not math.isfinite(r["rate"]) else f"{r['rate']:g}"
+            lines.append(f"| {label} | {rate} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+                         f"{r['normalized_latency']:.4f} | {r['mean_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
+                         f"{r['mean_tpot_ms']:.2f} | {r['p99_e2el_ms']:.0f} | {r['completed']} / {r['failed']} |")
+    return "\n".join(lines)
+
+
+def compare(cfg: CompareConfig) -> dict[str, list[dict]]:
+    if not cfg.dirs:
+        raise ReplayError("compare needs at least one folder")
+    if cfg.labels and len(cfg.labels) != len(cfg.dirs):
+        raise ReplayError(f"{len(cfg.labels)} labels for {len(cfg.dirs)} folders")
+    series: dict[str, list[dict]] = {}
+    for i, folder in enumerate(cfg.dirs):
+        label, rows = _read_run(Path(folder))
+        label = cfg.labels[i] if cfg.labels else label
+        while label in series:
+            label += "'"
+        series[label] = rows
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# loadgen compare", "", _table(series)]
+    finite = {k: [r for r in rows if r["rate"] is not None and math.isfinite(r["rate"])] for k, rows in series.items()}
+    if any(finite.values()):
+        from loadgen.plots import rate_plot
+        lines += ["", f"![compare]({rate_plot(finite, out / 'compare.png')})"]
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    return series
+
+
+def _read_run(folder: Path) -> tuple[str, list[dict]]:
+    if (folder / "sweep.json").is_file():
+        data = json.loads((folder / "sweep.json").read_text())
+        return data["label"], [{**r, "rate": float(r["rate"])} for r in data["rows"]]
+    if (folder / "summary.json").is_file():
+        s = load_summary(folder)
+        rate = s.get("request_rate")
+        rate = float(rate) if rate is not None else None
+        return s["label"], [row_of(s, rate, str(folder))]
+    raise ReplayError(f"{folder} holds neither sweep.json nor summary.json")
