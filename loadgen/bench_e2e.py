@@ -1,7 +1,7 @@
 """End-to-end benchmark through the REST API: the whole stack as real processes vs the offline engine.
 
 1. A Poisson arrival process at a fixed rate: output tokens/s, TTFT and TPOT (streamed, measured
-   by the client from the first and the following SSE chunks).
+   by loadgen's client with vllm bench serve's definitions).
 2. Saturation: every request at once, through the API, against the offline engine (same cores in
    one process) on the same requests: the ratio is the price of the process boundaries.
 
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import math
 import random
 import statistics
 import time
 from pathlib import Path
+
+from loadgen.metrics import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,53 +31,23 @@ def make_requests(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: in
              rng.randint(lo_o, max_tokens)) for _ in range(n)]
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int,
-                      stream: bool = True) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    start = time.perf_counter()
-    if not stream:
-        r = await client.post(url + "/v1/completions", json=body, timeout=600)
-        r.raise_for_status()
-        end = time.perf_counter()
-        return {"ttft": float("nan"), "tpot": float("nan"), "latency": end - start,
-                "tokens": r.json()["usage"]["completion_tokens"]}
-    # The client shares the 2 cores with the stack, so it reads the stream as bytes: the time of
-    # the first event (TTFT) and of the end (TPOT) is all it needs, and only the last event (the
-    # usage) is parsed. Parsing every event as JSON cost it ~0.9 core-seconds per saturation run.
-    body["stream_options"] = {"include_usage": True}
-    first, tail = None, b""
-    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        async for chunk in r.aiter_bytes():
-            if first is None and b"data: {" in chunk:
-                first = time.perf_counter()
-            tail = (tail + chunk)[-8192:]
-    end = time.perf_counter()
-    events = [e[6:] for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
-    last = json.loads(events[-1]) if events else {}
-    if "error" in last:
-        raise RuntimeError(f"the stream ended with an error: {last['error']}")
-    tokens = (last.get("usage") or {}).get("completion_tokens", 0)
-    ttft = first - start if first is not None else float("nan")
-    tpot = (end - first) / max(1, tokens - 1) if first is not None else float("nan")
-    return {"ttft": ttft, "tpot": tpot, "latency": end - start, "tokens": tokens}
-
-
-async def drive(url: str, model: str, reqs, rate: float | None, seed: int,
-                stream: bool = True) -> tuple[list[dict], float]:
-    import httpx
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(reqs) + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        start = time.perf_counter()
-        tasks = []
-        for prompt, max_tokens in reqs:
-            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, stream)))
-            if rate:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+def drive(url: str, model: str, reqs, rate: float | None, seed: int,
+          stream: bool = True) -> tuple[list, float]:
+    """Send `reqs` through loadgen's client (Poisson at `rate`, or all at once), greedy with
+    ignore_eos; the records and the run's duration."""
+    from loadgen.config import ReplayConfig
+    from loadgen.replay import run_replay
+    from loadgen.workload import Fit, Plan, PlannedRequest, poisson_arrivals
+    arrivals = poisson_arrivals(len(reqs), rate or math.inf, 1.0, random.Random(seed))
+    plan = Plan([PlannedRequest(i, t, prompt, len(prompt), m) for i, ((prompt, m), t) in
+                 enumerate(zip(reqs, arrivals))], [], Fit("filter", 0, 1.0, None))
+    cfg = ReplayConfig(url=url, model=model, max_model_len=10**9, stream=stream, progress=False,
+                       metrics_interval=0, plots=False)
+    result = asyncio.run(run_replay(cfg, plan))
+    failed = [r for r in result.records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0].error}: {failed[0].error_detail}")
+    return result.records, summarize([r for r in result.records], [99])["duration"]
 
 
 def offline_tokens_per_s(model: str, reqs, config_kw: dict) -> tuple[int, float]:
@@ -90,14 +62,11 @@ def offline_tokens_per_s(model: str, reqs, config_kw: dict) -> tuple[int, float]
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
 
 
-def summary(name: str, results: list[dict], elapsed: float) -> str:
-    toks = sum(r["tokens"] for r in results)
-    ms = lambda xs, q: 1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
-    ttft = [r["ttft"] for r in results]
-    tpot = [r["tpot"] for r in results]
-    return (f"{name:<22} {len(results):>4} {toks:>7} {elapsed:>8.1f} {toks / elapsed:>9.1f} "
-            f"{1000 * statistics.mean(ttft):>8.1f} {ms(ttft, 0.99):>8.1f} {1000 * statistics.mean(tpot):>8.1f} "
-            f"{ms(tpot, 0.99):>8.1f}")
+def summary(name: str, records: list, elapsed: float) -> str:
+    s = summarize(records, [99])
+    return (f"{name:<22} {len(records):>4} {s['total_output_tokens']:>7} {elapsed:>8.1f} "
+            f"{s['total_output_tokens'] / elapsed:>9.1f} {s['mean_ttft_ms']:>8.1f} {s['p99_ttft_ms']:>8.1f} "
+            f"{s['mean_tpot_ms']:>8.1f} {s['p99_tpot_ms']:>8.1f}")
 
 
 def main(argv=None) -> int:
@@ -130,17 +99,17 @@ def main(argv=None) -> int:
                   "--worker-threads", str(args.worker_threads))
     offline, streamed, unstreamed = [], [], []
     try:
-        asyncio.run(drive(stack.url, args.model, reqs[:4], None, args.seed))        # warm-up
-        poisson = asyncio.run(drive(stack.url, args.model, reqs, args.rate, args.seed))
+        drive(stack.url, args.model, reqs[:4], None, args.seed)        # warm-up
+        poisson = drive(stack.url, args.model, reqs, args.rate, args.seed)
         # Saturation, in alternating rounds so that a noisy neighbour hits all three alike; the
         # stack idles (blocked on its sockets) while the offline engine runs in this process. One
         # untimed round of each first: the first run at a new batch size pays for warming up.
         offline_tokens_per_s(args.model, reqs, {"num_device_blocks": args.num_device_blocks})
-        asyncio.run(drive(stack.url, args.model, reqs, None, args.seed, stream=False))
+        drive(stack.url, args.model, reqs, None, args.seed, stream=False)
         for _ in range(args.rounds):
             offline.append(offline_tokens_per_s(args.model, reqs, {"num_device_blocks": args.num_device_blocks}))
-            streamed.append(asyncio.run(drive(stack.url, args.model, reqs, None, args.seed)))
-            unstreamed.append(asyncio.run(drive(stack.url, args.model, reqs, None, args.seed, stream=False)))
+            streamed.append(drive(stack.url, args.model, reqs, None, args.seed))
+            unstreamed.append(drive(stack.url, args.model, reqs, None, args.seed, stream=False))
         time.sleep(1.5)   # the scheduler logs its step timing once it has been idle a heartbeat
     finally:
         stack.stop()
@@ -155,7 +124,7 @@ def main(argv=None) -> int:
     print(summary("API, all at once, JSON", *best(unstreamed)))
     tokens, elapsed = best(offline)
     print(f"{'offline engine':<22} {args.requests:>4} {tokens:>7} {elapsed:>8.1f} {tokens / elapsed:>9.1f}")
-    rate = lambda run: sum(r["tokens"] for r in run[0]) / run[1]
+    rate = lambda run: sum(r.output_tokens for r in run[0]) / run[1]
     print("tok/s per round: offline " + " ".join(f"{t / e:.0f}" for t, e in offline)
           + " | SSE " + " ".join(f"{rate(r):.0f}" for r in streamed)
           + " | JSON " + " ".join(f"{rate(r):.0f}" for r in unstreamed))

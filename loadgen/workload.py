@@ -48,7 +48,8 @@ def fit_to_context(trace: Trace, max_model_len: int, mode: str, kv_block_size: i
     factor = 1.0
     if mode == "scale" and trace.requests:
         totals = sorted(r.input_len + r.output_len for r in trace.requests)
-        factor = min(1.0, max_model_len / totals[min(len(totals) - 1, int(SCALE_QUANTILE * len(totals)))])
+        p99 = totals[max(0, math.ceil(SCALE_QUANTILE * len(totals)) - 1)]      # nearest rank
+        factor = min(1.0, max_model_len / p99)
     block = None
     if trace.block_tokens:
         block = max(kv_block_size, round(trace.block_tokens * factor / kv_block_size) * kv_block_size)
