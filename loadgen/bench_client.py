@@ -3,7 +3,7 @@ instantly (loadgen.fake_server with no delays), and its CPU time per streamed to
 same for `vllm bench serve` when its command is given. The client shares the cores with the server
 it measures, so less CPU per token is less of the client in every figure.
 
-    python -m loadgen.bench_client [--requests 64] [--output-len 512] [--rounds 3]
+    python -m loadgen.bench_client [--requests 64] [--output-len 256] [--rounds 3]
                                    [--vllm-bench ~/.cache/peer-vllm/venv/bin/vllm --tokenizer DIR]
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def vllm(url: str, args, work: Path, output_len: int) -> tuple[float, float, int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--vllm-bench", default=None, help="the `vllm` command of a vLLM install, to compare")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder vllm bench serve needs")
@@ -77,15 +77,16 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for _ in range(args.rounds):                 # alternating rounds: the same noise for both
                 for name, fn in clients.items():
-                    # Twice the tokens, once more: the difference is the CPU per token without the
-                    # start-up (imports), which would otherwise dominate a short run.
+                    # Four times the tokens, once more: the difference is the CPU per token without
+                    # the start-up (vllm's imports alone take ~15 CPU seconds), which would
+                    # otherwise be most of a short run.
                     cpu1, _, tokens1 = fn(url, args, Path(tmp), args.output_len)
-                    cpu2, duration, tokens2 = fn(url, args, Path(tmp), 2 * args.output_len)
+                    cpu2, duration, tokens2 = fn(url, args, Path(tmp), 4 * args.output_len)
                     rows.append((name, tokens2, duration, cpu2, (cpu2 - cpu1) / (tokens2 - tokens1)))
     finally:
         server.kill()
-    print(f"{args.requests} streams of {2 * args.output_len} one-token events from a server with no delays; "
-          f"CPU per token = the CPU difference to a run of half the tokens")
+    print(f"{args.requests} streams of {4 * args.output_len} one-token events from a server with no delays; "
+          f"CPU per token = the CPU difference to a run of a quarter of the tokens")
     print(f"{'client':<18} {'events':>7} {'seconds':>8} {'events/s':>9} {'CPU s':>7} {'CPU us/token':>13}")
     for name, tokens, duration, cpu, per_token in rows:
         print(f"{name:<18} {tokens:>7} {duration:>8.2f} {tokens / duration:>9.0f} {cpu:>7.2f} {1e6 * per_token:>13.1f}")
