@@ -186,8 +186,12 @@ def _failed(rec: RequestRecord, kind: str, detail: str, now: float) -> RequestRe
 
 
 def new_session(max_concurrency: int | None) -> aiohttp.ClientSession:
-    """One keep-alive pool for the whole run; no per-session timeout (each request has its own)."""
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, ttl_dns_cache=300, force_close=False)
+    """One keep-alive pool for the whole run; no per-session timeout (each request has its own).
+
+    Idle connections are dropped after 2 s, before the server drops them: uvicorn closes an idle
+    keep-alive connection after 5 s, and a request sent on it at that moment fails with
+    'Server disconnected' (2 of 200 requests against vLLM at 4 req/s with aiohttp's 15 s)."""
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, ttl_dns_cache=300, keepalive_timeout=2.0)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                  read_bufsize=1 << 18)
 

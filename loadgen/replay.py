@@ -91,7 +91,7 @@ def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
     if cfg.tokenizer:
         from loadgen.text_prompts import TextCodec
         try:
-            codec = TextCodec(cfg.tokenizer)
+            codec = TextCodec(cfg.tokenizer, chat=cfg.endpoint == "chat")
         except (OSError, ValueError) as e:
             raise ReplayError(f"--tokenizer {cfg.tokenizer}: {e}") from None
     if cfg.trace in SYNTHETIC:

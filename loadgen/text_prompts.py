@@ -14,7 +14,9 @@ WORD = re.compile(r"^ [A-Za-z]{2,}$")
 
 
 class TextCodec:
-    def __init__(self, tokenizer_dir: str):
+    """`chat`: the prompts go out as one user message, and the chat template's tokens count too."""
+
+    def __init__(self, tokenizer_dir: str, chat: bool = False):
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         tok = self.tokenizer
@@ -30,8 +32,23 @@ class TextCodec:
         if len(self.piece) < 16:
             raise ValueError(f"the tokenizer in {tokenizer_dir} has only {len(self.piece)} whole-word tokens; "
                              "text prompts of exact lengths need more (send token ids: drop --tokenizer)")
-        # Tokens the server adds to a text prompt (BOS): the text is shorter by that many.
-        self.added = len(tok("hello")["input_ids"]) - len(tok("hello", add_special_tokens=False)["input_ids"])
+        # Tokens the server adds to a text prompt (BOS; for chat, the template around the message):
+        # the text is shorter by that many, so that the server sees the planned length.
+        self.chat = chat and bool(getattr(tok, "chat_template", None))
+        probe = self.text(self.pool[:4])
+        bare = tok(probe, add_special_tokens=False)["input_ids"]
+        full = self._encode(probe)
+        self.added = len(full) - len(bare)
+        # Tokens before the text (BOS, the template's head): the first trace block is that much
+        # shorter so that the blocks of the trace start on the server's KV block boundaries.
+        self.offset = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.chat:
+            out = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                     add_generation_prompt=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return self.tokenizer(text)["input_ids"]
 
     @property
     def pool(self) -> list[int]:
@@ -42,4 +59,6 @@ class TextCodec:
 
     def counts(self, texts: list[str]) -> list[int]:
         """Tokens the server will see for each text (with what it adds)."""
+        if self.chat:
+            return [len(self._encode(t)) for t in texts]
         return [len(ids) for ids in self.tokenizer(texts)["input_ids"]] if texts else []

@@ -187,15 +187,16 @@ def build_plan(trace: Trace, *, max_model_len: int, fit_mode: str, kv_block_size
     if num_requests is not None:
         order = order[:num_requests]
     prompts = Prompts(pool, seed)
-    # Text prompts are shorter by what the server adds (BOS) so that it sees the planned length.
-    added = codec.added if codec is not None else 0
+    # Text prompts are shorter by what the server adds (BOS, a chat template) so that it sees the
+    # planned length; what it adds in front (`lead`) comes out of the first block.
+    added, lead = (codec.added, codec.offset) if codec is not None else (0, 0)
 
     def make(index: int, key: str, r: TraceRequest, arrival: float, shared: bool) -> PlannedRequest:
         if r.prompt is not None:
             return PlannedRequest(index, arrival, r.prompt, r.input_len, r.output_len)
         length = max(1, r.input_len - added)
         if shared:
-            ids = prompts.for_request(index, r, fit.block_tokens, length)
+            ids = prompts.for_request(index, r, fit.block_tokens, length + lead)[lead:]
         else:
             ids = prompts.fresh(key, length)
         blocks = min(len(r.hash_ids or ()), -(-length // fit.block_tokens)) if shared and fit.block_tokens else 0

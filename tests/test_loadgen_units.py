@@ -240,18 +240,27 @@ def test_duration_and_count_cut_the_plan():
         _plan(Trace("x", "x", [TraceRequest(5, 5)]), trace_times=True)
 
 
-def test_text_prompts_tokenize_to_their_length_and_keep_blocks(tiny_llama):
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_prompts_tokenize_to_their_length_and_keep_blocks(tiny_llama, chat):
+    """What the server sees (BOS, or the chat template around the message, included) has the planned
+    length, and the trace's blocks start on the server's 16-token KV block boundaries: equal hash
+    ids give equal KV blocks, the first different id a different one."""
     from loadgen.text_prompts import TextCodec
-    codec = TextCodec(tiny_llama)
+    codec = TextCodec(tiny_llama, chat=chat)
+    assert codec.offset >= 1 and codec.added >= codec.offset
     trace = _trace([(100, 4), (80, 4), (37, 4)], block=32, hashes=[[1, 2, 3, 4], [1, 2, 9], [1, 5]])
     plan = _plan(trace, pool=codec.pool, codec=codec, kv_block_size=16)
     assert not plan.notes
     tok = codec.tokenizer
-    ids = [tok(r.prompt)["input_ids"] for r in plan.requests]
+    if chat:
+        ids = [list(tok.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=True,
+                                            add_generation_prompt=True)["input_ids"]) for r in plan.requests]
+    else:
+        ids = [tok(r.prompt)["input_ids"] for r in plan.requests]
     assert [len(i) for i in ids] == [r.input_len for r in plan.requests] == [100, 80, 37]
-    skip = codec.added                    # BOS first
-    assert ids[0][skip:skip + 64] == ids[1][skip:skip + 64]
-    assert ids[0][skip:skip + 32] == ids[2][skip:skip + 32] and ids[0][skip + 32:skip + 36] != ids[2][skip + 32:skip + 36]
+    kv = lambda seq, k: seq[16 * k:16 * (k + 1)]
+    assert [kv(ids[0], k) == kv(ids[1], k) for k in range(5)] == [True] * 4 + [False]
+    assert [kv(ids[0], k) == kv(ids[2], k) for k in range(3)] == [True, True, False]
 
 
 def test_prompts_block_cache_is_stable():
