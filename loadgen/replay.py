@@ -12,6 +12,7 @@ import math
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from loadgen.client import RequestRecord, Target, get_json, new_session, send
@@ -209,25 +210,31 @@ def _interrupted(req: PlannedRequest, t0: float) -> RequestRecord:
 
 
 class Progress:
-    """requests done / sent, output tok/s so far and errors, on stderr (tqdm), at most twice a second."""
+    """requests done / sent, output tok/s over the last few seconds and errors, on stderr (tqdm),
+    redrawn at most twice a second."""
+
+    WINDOW_S = 5.0
 
     def __init__(self, total: int, enabled: bool):
         from tqdm import tqdm
         self.bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not enabled, dynamic_ncols=True,
                         mininterval=0.5)
-        self.t0, self.n_sent, self.tokens, self.errors, self.last = time.perf_counter(), 0, 0, 0, 0.0
+        self.t0, self.n_sent, self.errors, self.last = time.perf_counter(), 0, 0, 0.0
+        self.recent: deque[tuple[float, int]] = deque()      # (when, output tokens) of recent ends
 
     def sent(self) -> None:
         self.n_sent += 1
 
     def done(self, rec: RequestRecord) -> None:
-        self.tokens += rec.output_tokens or 0
-        self.errors += not rec.ok
         now = time.perf_counter()
+        self.errors += not rec.ok
+        self.recent.append((now, rec.output_tokens or 0))
+        while self.recent and self.recent[0][0] < now - self.WINDOW_S:
+            self.recent.popleft()
         if now - self.last >= 0.5:
             self.last = now
-            self.bar.set_postfix_str(f"sent {self.n_sent}, {self.tokens / max(1e-9, now - self.t0):.0f} tok/s, "
-                                     f"{self.errors} errors", refresh=False)
+            rate = sum(n for _, n in self.recent) / max(1e-3, min(self.WINDOW_S, now - self.t0))
+            self.bar.set_postfix_str(f"sent {self.n_sent}, {rate:.0f} tok/s, {self.errors} errors", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
