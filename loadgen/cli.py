@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from loadgen.config import CompareConfig, ReplayConfig, SweepConfig
 from services.flags import ConfigError, add_flags, from_args
@@ -34,10 +35,26 @@ def main(argv: list[str] | None = None) -> int:
     from loadgen.traces import TraceError
     try:
         cfg = from_args(cls, {k: v for k, v in vars(args).items() if k != "command"})
+        writable_folder(cfg.out)
         return _run(args.command, cfg)
     except (ConfigError, ReplayError, TraceError) as e:
         print(f"loadgen {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:             # before the run (start-up, discovery) or after it
+        print(f"loadgen {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def writable_folder(path: str) -> None:
+    """--out is checked before anything is sent: a run's results must have somewhere to go."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".loadgen-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
 
 
 def _run(command: str, cfg) -> int:

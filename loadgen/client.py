@@ -9,7 +9,7 @@ put several tokens in one event.
 
 Every failure is a record with an error kind, never an exception: `connect`, `timeout`, `http_NNN`,
 `stream_error` (an error event inside a 200 stream), `disconnect` (the body was cut), `bad_response`
-and `interrupted` (Ctrl-C).
+(a 200 that is not what the API sends) and `interrupted` (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -73,6 +73,11 @@ class RequestRecord:
     status: int | None = None
     error: str | None = None                # kind; None when it succeeded
     error_detail: str | None = None
+    usage_missing: bool = False             # output_tokens counted from text events, a lower bound
+
+    @classmethod
+    def planned(cls, req: PlannedRequest) -> "RequestRecord":
+        return cls(req.index, req.arrival, req.input_len, req.output_len, req.prefix_blocks)
 
     @property
     def ok(self) -> bool:
@@ -97,9 +102,10 @@ class RequestRecord:
 
 
 async def send(session: aiohttp.ClientSession, target: Target, req: PlannedRequest, t0: float,
-               timeout: float) -> RequestRecord:
-    """Send one request; the record's times are seconds after t0 (perf_counter)."""
-    rec = RequestRecord(req.index, req.arrival, req.input_len, req.output_len, req.prefix_blocks)
+               timeout: float, rec: RequestRecord | None = None) -> RequestRecord:
+    """Send one request, filling `rec` (a new record if None); its times are seconds after t0
+    (perf_counter). Cancelled, it keeps what it received, marks itself interrupted and re-raises."""
+    rec = rec or RequestRecord.planned(req)
     clock = time.perf_counter
     rec.send = clock() - t0
     try:
@@ -108,12 +114,12 @@ async def send(session: aiohttp.ClientSession, target: Target, req: PlannedReque
                                     headers=target.headers()) as resp:
                 rec.status = resp.status
                 if resp.status != 200:
-                    detail = (await resp.text())[:500]
+                    detail = (await resp.read())[:500].decode("utf-8", "replace")
                     return _failed(rec, f"http_{resp.status}", detail, clock() - t0)
                 if target.stream:
                     await _read_stream(resp, rec, t0)
                 else:
-                    _take_usage(rec, await resp.json(content_type=None))
+                    _take_usage(rec, _object(await resp.read()))
     except asyncio.CancelledError:
         _failed(rec, "interrupted", "the run was stopped", clock() - t0)
         raise
@@ -125,15 +131,30 @@ async def send(session: aiohttp.ClientSession, target: Target, req: PlannedReque
         return _failed(rec, "disconnect", str(e) or type(e).__name__, clock() - t0)
     except aiohttp.ClientError as e:
         return _failed(rec, "client", f"{type(e).__name__}: {e}", clock() - t0)
-    except (ValueError, KeyError, TypeError) as e:
-        return _failed(rec, "bad_response", f"{type(e).__name__}: {e}", clock() - t0)
+    except BadResponse as e:
+        return _failed(rec, "bad_response", str(e), clock() - t0)
     rec.end = clock() - t0
     if rec.error is None and rec.output_tokens is None:
         if target.stream and rec.token_times:
             rec.output_tokens = len(rec.token_times)   # no usage: one token per event, a lower bound
+            rec.usage_missing = True
         else:
             return _failed(rec, "bad_response", "no usage in the response", rec.end)
     return rec
+
+
+class BadResponse(ValueError):
+    """A 200 whose body is not what an OpenAI-compatible server sends."""
+
+
+def _object(data: bytes) -> dict:
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadResponse(f"not JSON ({e}): {data[:200]!r}") from None
+    if not isinstance(obj, dict):
+        raise BadResponse(f"a JSON {type(obj).__name__} where an object was expected: {data[:200]!r}")
+    return obj
 
 
 # A non-empty text or delta content: what makes an event a token event (as vllm bench serve counts
@@ -143,41 +164,80 @@ TEXT = re.compile(rb'"(?:text|content|reasoning_content)"\s*:\s*"(?!")')
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
     """Token events are found by TEXT without being decoded; only events that carry an error or the
-    usage (once a stream, normally) go through json.loads."""
-    clock, buf = time.perf_counter, b""
+    usage (once a stream, normally) go through json.loads. Events end at a blank line; CR and CRLF
+    line ends are read as LF (the SSE spec allows all three)."""
+    clock, buf, seen = time.perf_counter, b"", False
     async for piece in resp.content.iter_any():
         now = clock() - t0
         buf += piece
+        if b"\r" in buf:
+            keep = b"\r" if buf.endswith(b"\r") else b""      # its \n may come in the next piece
+            buf = buf[:len(buf) - len(keep)].replace(b"\r\n", b"\n").replace(b"\r", b"\n") + keep
         *events, buf = buf.split(b"\n\n")
         for event in events:
-            if not event.startswith(b"data:"):
-                continue                            # comments, keep-alives
-            data = event[5:].strip()
-            if TEXT.search(data):
-                if rec.first_token is None:
-                    rec.first_token = now
-                rec.token_times.append(now)
-            if data == b"[DONE]":
+            data = _data_of(event)
+            if data is None:
+                continue                            # comments, keep-alives, other fields only
+            seen = True
+            if _take_event(data, rec, now):
                 return
-            if b'"error"' in data or b'"usage"' in data:
-                obj = json.loads(data)
-                err = obj.get("error") or (obj if obj.get("object") == "error" else None)
-                if err:
-                    rec.error = "stream_error"
-                    rec.error_detail = str(err.get("message", err) if isinstance(err, dict) else err)
-                    return
-                if obj.get("usage"):
-                    _take_usage(rec, obj)
-    if buf.strip():
-        raise aiohttp.ClientPayloadError("the stream ended inside an event")
+    if buf.strip():                                 # the last event without its blank line
+        data = _data_of(buf.strip(b"\r\n"))
+        if data is not None and (data == b"[DONE]" or _complete(data)):
+            _take_event(data, rec, clock() - t0)
+            return
+        if seen or b"data:" in buf:
+            raise aiohttp.ClientPayloadError("the stream ended inside an event")
+        raise BadResponse(f"not an event stream: {buf[:200]!r}")
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The data of one SSE event (its `data:` lines joined), None when it has none."""
+    if event.startswith(b"data:"):
+        if b"\n" not in event:
+            return event[5:].strip()                # the usual event: one data line
+    elif b"\ndata:" not in event:
+        return None
+    lines = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
+def _complete(data: bytes) -> bool:
+    try:
+        json.loads(data)
+        return True
+    except ValueError:
+        return False
+
+
+def _take_event(data: bytes, rec: RequestRecord, now: float) -> bool:
+    """Note one event's data in `rec`; True when the stream is over ([DONE] or an error)."""
+    if TEXT.search(data):
+        if rec.first_token is None:
+            rec.first_token = now
+        rec.token_times.append(now)
+    if data == b"[DONE]":
+        return True
+    if b'"error"' in data or b'"usage"' in data:
+        obj = _object(data)
+        err = obj.get("error") or (obj if obj.get("object") == "error" else None)
+        if err:
+            rec.error = "stream_error"
+            rec.error_detail = str(err.get("message", err) if isinstance(err, dict) else err)
+            return True
+        if obj.get("usage"):
+            _take_usage(rec, obj)
+    return False
 
 
 def _take_usage(rec: RequestRecord, obj: dict) -> None:
-    usage = obj.get("usage") or {}
-    if "completion_tokens" in usage:
-        rec.output_tokens = int(usage["completion_tokens"])
-    if "prompt_tokens" in usage:
-        rec.prompt_tokens = int(usage["prompt_tokens"])
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return
+    for key, attr in (("completion_tokens", "output_tokens"), ("prompt_tokens", "prompt_tokens")):
+        value = usage.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            setattr(rec, attr, value)
 
 
 def _failed(rec: RequestRecord, kind: str, detail: str, now: float) -> RequestRecord:

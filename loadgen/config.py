@@ -101,6 +101,11 @@ class ReplayConfig:
     def slos(self) -> dict[str, float]:
         return parse_goodput(self.goodput)
 
+    def cross_check(self) -> str | None:
+        if not self.stream and set(self.slos) & {"ttft", "tpot"}:
+            return "--goodput ttft/tpot need streamed responses (drop --no-stream, or give only e2el)"
+        return None
+
 
 def _rate_list(rates: list[str]) -> bool | str:
     try:

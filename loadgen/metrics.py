@@ -53,7 +53,8 @@ def summarize(records: list[RequestRecord], percentiles: list[float],
         "total_token_throughput": per_s(total_in + total_out),
         "max_output_tokens_per_s": max_tokens_per_second(ok),
         "max_concurrent_requests": max_in_flight(started),
-        "short_outputs": sum(r.output_tokens < r.output_len for r in ok),
+        "short_outputs": sum(r.output_tokens < r.output_len for r in ok if not r.usage_missing),
+        "usage_missing": sum(r.usage_missing for r in ok),
         "mean_normalized_latency_s_per_token":
             float(np.mean([r.e2el / r.output_tokens for r in ok if r.output_tokens])) if ok else 0.0,
     }

@@ -14,12 +14,13 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from loadgen.client import RequestRecord, Target, get_json, new_session, send
 from loadgen.config import ReplayConfig
 from loadgen.scrape import Scraper
 from loadgen.traces import SYNTHETIC, load_trace
-from loadgen.workload import Plan, PlannedRequest, build_plan
+from loadgen.workload import FIT_SAMPLE, Plan, PlannedRequest, build_plan
 
 DEFAULT_DRAWN = 1000          # requests drawn from a distribution when --num-requests is not given
 FIRST_TOKEN_ID = 10           # token-id prompts avoid the lowest ids (specials in most vocabularies)
@@ -91,6 +92,9 @@ def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
     codec = None
     if cfg.tokenizer:
         from loadgen.text_prompts import TextCodec
+        if not Path(cfg.tokenizer).is_dir():
+            raise ReplayError(f"--tokenizer {cfg.tokenizer}: no such folder (a local tokenizer folder; "
+                              "nothing is downloaded)")
         try:
             codec = TextCodec(cfg.tokenizer, chat=cfg.endpoint == "chat")
         except (OSError, ValueError) as e:
@@ -98,12 +102,18 @@ def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
     if cfg.trace in SYNTHETIC:
         wanted = cfg.num_requests or (max(DEFAULT_DRAWN, math.ceil(cfg.rate * cfg.duration * 1.2))
                                       if cfg.duration and not math.isinf(cfg.rate) else DEFAULT_DRAWN)
-        limit = wanted + cfg.warmup
+        # At least FIT_SAMPLE: the scale factor comes from the first FIT_SAMPLE draws, so that
+        # the same seed gives the same requests whatever the count, the rate or the duration.
+        limit = max(wanted + cfg.warmup, FIT_SAMPLE)
     else:
         limit = sys.maxsize          # a file is read whole: the fit may drop some of its requests
     try:
         trace = load_trace(cfg.trace, num_requests=limit, seed=cfg.seed, input_len=cfg.input_len,
                            output_len=cfg.output_len, range_ratio=cfg.range_ratio)
+        if codec is not None:           # the user's own texts: their exact length, not a guess
+            own = [r for r in trace.requests if r.prompt is not None]
+            for r, n in zip(own, codec.counts([r.prompt for r in own])):
+                r.input_len = n
         pool = codec.pool if codec else list(range(FIRST_TOKEN_ID, cfg.vocab_size))
         plan = build_plan(trace, max_model_len=server.max_model_len, fit_mode=cfg.fit,
                           kv_block_size=cfg.kv_block_size, seed=cfg.seed, rate=cfg.rate,
@@ -128,40 +138,50 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    progress = Progress(len(plan.requests), cfg.progress)
+    progress: Progress | None = None
     notes: list[str] = []
 
     async def one(req: PlannedRequest, t0: float) -> RequestRecord:
+        rec = RequestRecord.planned(req)
         try:
             if limit is None:
-                rec = await send(session, target, req, t0, cfg.timeout)
+                await send(session, target, req, t0, cfg.timeout, rec)
             else:
                 async with limit:
-                    rec = await send(session, target, req, t0, cfg.timeout)
+                    await send(session, target, req, t0, cfg.timeout, rec)
         except asyncio.CancelledError:
-            rec = _interrupted(req, t0)
-        progress.done(rec)
+            if rec.error is None:                   # cancelled while waiting for its turn
+                rec.error, rec.error_detail, rec.end = "interrupted", "the run was stopped", time.perf_counter() - t0
+        if progress is not None:
+            progress.done(rec)
         return rec
 
+    t0, started_at = time.perf_counter(), time.time()
+    tasks: list[asyncio.Task] = []
+    sent: list[PlannedRequest] = []
+    scraper = Scraper(session, target.url, cfg.metrics_interval, t0, target.headers())
     try:
         if plan.warmup:
-            warm = await asyncio.gather(*(one(r, time.perf_counter()) for r in plan.warmup))
-            if any(not r.ok for r in warm):
-                notes.append(f"{sum(not r.ok for r in warm)} of {len(warm)} warm-up requests failed")
+            warm = [asyncio.create_task(one(r, time.perf_counter())) for r in plan.warmup]
+            await _finish(warm, stop, hurry, cfg.grace)
+            failed = sum(t.cancelled() or not t.result().ok for t in warm)
+            if failed:
+                notes.append(f"{failed} of {len(warm)} warm-up requests failed")
+        progress = Progress(len(plan.requests), cfg.progress)
         t0, started_at = time.perf_counter(), time.time()
-        scraper = Scraper(session, target.url, cfg.metrics_interval, t0, target.headers())
+        scraper.t0 = t0
         scraping = asyncio.create_task(scraper.run(stop))
-        tasks: list[asyncio.Task] = []
-        sent: list[PlannedRequest] = []
         for req in plan.requests:
+            if stop.is_set():
+                break
             delay = req.arrival - (time.perf_counter() - t0)
             if delay > 0:
                 try:
                     await asyncio.wait_for(stop.wait(), delay)
                 except TimeoutError:
                     pass
-            if stop.is_set():
-                break
+                if stop.is_set():
+                    break
             tasks.append(asyncio.create_task(one(req, t0)))
             sent.append(req)
             progress.sent()
@@ -172,13 +192,18 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        progress.close()
+        if progress is not None:
+            progress.close()
     # A task cancelled before it ever ran has no record of its own.
     records = [_interrupted(req, t0) if t.cancelled() else t.result() for t, req in zip(tasks, sent)]
     if interrupted:
         notes.append(f"interrupted: {len(records)} of {len(plan.requests)} requests were sent")
     if scraper.failures:
         notes.append(f"{scraper.failures} scrapes of /metrics failed")
+    missing = sum(r.usage_missing for r in records)
+    if missing:
+        notes.append(f"{missing} responses had no usage: their output tokens are counted as one per text "
+                     "event, a lower bound")
     return RunResult(cfg, server, plan, records, scraper.samples, started_at, interrupted,
                      scraper.available, plan.notes + notes)
 
@@ -203,9 +228,8 @@ async def _finish(tasks: list[asyncio.Task], stop: asyncio.Event, hurry: asyncio
 
 
 def _interrupted(req: PlannedRequest, t0: float) -> RequestRecord:
-    rec = RequestRecord(req.index, req.arrival, req.input_len, req.output_len, req.prefix_blocks,
-                        error="interrupted", error_detail="the run was stopped")
-    rec.end = time.perf_counter() - t0
+    rec = RequestRecord.planned(req)
+    rec.error, rec.error_detail, rec.end = "interrupted", "the run was stopped", time.perf_counter() - t0
     return rec
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
+import threading
 from pathlib import Path
 
 from loadgen.metrics import LATENCIES, percentile_key, summarize
@@ -36,7 +38,18 @@ def summary_of(result: RunResult) -> dict:
 
 
 def write_outputs(result: RunResult, out: str | Path) -> dict:
-    out = Path(out)
+    """Every file of the run. Ctrl-C is held off meanwhile (a few seconds, mostly plotting): an
+    interrupted run's report must come out whole, not stop halfway through its plots."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        return _write(result, Path(out))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _write(result: RunResult, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_of(result)
     (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False) + "\n")

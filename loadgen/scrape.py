@@ -8,6 +8,7 @@ the scraper runs on the client's cores, beside the server. Values are summed ove
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import aiohttp
@@ -39,6 +40,8 @@ def parse_metrics(text: str) -> dict[str, float | None]:
             value = float(line.rsplit("}", 1)[-1].split()[0] if brace >= 0 else line.split()[1])
         except (IndexError, ValueError):
             continue
+        if not math.isfinite(value):
+            continue                      # NaN / Inf: not a reading (and not JSON)
         sums[name] = sums.get(name, 0.0) + value
     return {series: next((sums[n] for n in names if n in sums), None) for series, names in SERIES.items()}
 
@@ -72,7 +75,7 @@ class Scraper:
                     self.available = False
                     return
                 r.raise_for_status()
-                text = await r.text()
+                text = (await r.read()).decode("utf-8", "replace")
         except (aiohttp.ClientError, TimeoutError):
             self.failures += 1
             return

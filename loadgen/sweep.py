@@ -15,9 +15,6 @@ from loadgen.config import CompareConfig, SweepConfig
 from loadgen.replay import ReplayError, replay
 from loadgen.report import jsonable, load_summary, write_outputs
 
-ROW_FIELDS = ("rate", "request_throughput", "output_throughput", "normalized_latency", "mean_ttft_ms",
-              "p99_ttft_ms", "mean_tpot_ms", "p99_e2el_ms", "completed", "failed")
-
 
 def auto_rates(saturated_rps: float, points: int) -> list[float]:
     """`points` rates evenly spread up to the saturated request throughput (3 significant digits)."""
@@ -27,13 +24,21 @@ def auto_rates(saturated_rps: float, points: int) -> list[float]:
 
 
 def row_of(summary: dict, rate: float | None, folder: str) -> dict:
+    """One rate's line of a sweep; latencies are NaN (no point on a plot) when nothing completed."""
+    done = summary["completed"] > 0
+    latency = lambda key: float(summary.get(key, math.nan)) if done else math.nan
     return {"rate": rate, "dir": folder, "request_throughput": summary["request_throughput"],
             "output_throughput": summary["output_throughput"],
-            "normalized_latency": summary["mean_normalized_latency_s_per_token"],
-            "mean_ttft_ms": summary["mean_ttft_ms"], "p99_ttft_ms": summary.get("p99_ttft_ms", math.nan),
-            "mean_tpot_ms": summary["mean_tpot_ms"], "p99_e2el_ms": summary.get("p99_e2el_ms", math.nan),
+            "normalized_latency": latency("mean_normalized_latency_s_per_token"),
+            "mean_ttft_ms": latency("mean_ttft_ms"), "p99_ttft_ms": latency("p99_ttft_ms"),
+            "mean_tpot_ms": latency("mean_tpot_ms"), "p99_e2el_ms": latency("p99_e2el_ms"),
             "completed": summary["completed"], "failed": summary["failed"],
             "interrupted": summary.get("interrupted", False)}
+
+
+def folder_of(rate: float) -> str:
+    """rate_4, rate_0.5, rate_inf: unique per rate (repr, not a rounded %g)."""
+    return f"rate_{int(rate)}" if math.isfinite(rate) and rate.is_integer() else f"rate_{rate!r}"
 
 
 def sweep(cfg: SweepConfig) -> dict:
@@ -42,34 +47,41 @@ def sweep(cfg: SweepConfig) -> dict:
     percentiles = sorted(set(cfg.percentiles) | {99.0})      # the plot needs p99
 
     def run(rate: float) -> dict:
-        folder = f"rate_{rate:g}"
+        folder = folder_of(rate)
         one = dataclasses.replace(cfg, rate=rate, trace_times=False, out=str(out / folder), percentiles=percentiles)
         summary = write_outputs(replay(one), one.out)
         rows.append(row_of(summary, rate, folder))
         return summary
 
-    rates = cfg.rate_values()
-    if rates is None:
-        saturated = run(math.inf)
-        rates = [] if saturated["interrupted"] else auto_rates(saturated["request_throughput"], cfg.auto_points)
-    for rate in rates:
-        if rows and rows[-1]["interrupted"]:
-            break
-        run(rate)
+    failure = None
+    try:
+        rates = cfg.rate_values()
+        if rates is None:
+            saturated = run(math.inf)
+            rates = [] if saturated["interrupted"] else auto_rates(saturated["request_throughput"], cfg.auto_points)
+        for rate in dict.fromkeys(rates):           # each rate once, in the order given
+            if rows and rows[-1]["interrupted"]:
+                break
+            run(rate)
+    except ReplayError as e:
+        failure = str(e)                            # the rates that ran are still written
     label = cfg.label or f"{cfg.url} {cfg.trace}"
     result = {"label": label, "trace": cfg.trace, "rows": rows,
               "max_normalized_latency": cfg.max_normalized_latency,
-              "sustained_rate": sustained_rate(rows, cfg.max_normalized_latency)}
-    write_sweep(result, out, cfg.plots)
+              "sustained_rate": sustained_rate(rows, cfg.max_normalized_latency), "error": failure}
+    if rows:
+        write_sweep(result, out, cfg.plots)
+    if failure:
+        raise ReplayError(f"{failure} (after {len(rows)} rates; what ran is in {out})" if rows else failure)
     return result
 
 
 def sustained_rate(rows: list[dict], limit: float | None) -> float | None:
-    """The highest finite rate whose normalized latency stays under `limit`."""
+    """The highest finite rate whose normalized latency stays under `limit` with no request failed."""
     if limit is None:
         return None
     held = [r["rate"] for r in rows if r["rate"] is not None and math.isfinite(r["rate"])
-            and r["completed"] and r["normalized_latency"] <= limit]
+            and r["completed"] and not r["failed"] and r["normalized_latency"] <= limit]
     return max(held) if held else None
 
 
@@ -79,8 +91,10 @@ def write_sweep(result: dict, out: Path, plots: bool) -> None:
     lines = [f"# loadgen sweep: {result['label']}", "", _table({result["label"]: result["rows"]})]
     if result["max_normalized_latency"] is not None:
         held = result["sustained_rate"]
-        lines += ["", f"Highest rate with normalized latency <= {result['max_normalized_latency']:g} s/token: "
-                  + (f"**{held:g} req/s**" if held is not None else "none of those tried")]
+        lines += ["", f"Highest rate with normalized latency <= {result['max_normalized_latency']:g} s/token "
+                  "and no request failed: " + (f"**{held:g} req/s**" if held is not None else "none of those tried")]
+    if result.get("error"):
+        lines += ["", f"The sweep stopped: {result['error']}"]
     if plots:
         from loadgen.plots import rate_plot
         finite = {result["label"]: [r for r in result["rows"] if math.isfinite(r["rate"])]}
@@ -125,9 +139,18 @@ def compare(cfg: CompareConfig) -> dict[str, list[dict]]:
 
 
 def _read_run(folder: Path) -> tuple[str, list[dict]]:
+    try:
+        return _parse_run(folder)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        raise ReplayError(f"{folder}: not a loadgen sweep or replay ({type(e).__name__}: {e})") from None
+
+
+def _parse_run(folder: Path) -> tuple[str, list[dict]]:
     if (folder / "sweep.json").is_file():
         data = json.loads((folder / "sweep.json").read_text())
-        return data["label"], [{**r, "rate": float(r["rate"])} for r in data["rows"]]
+        numeric = ("rate", "request_throughput", "output_throughput", "normalized_latency", "mean_ttft_ms",
+                   "p99_ttft_ms", "mean_tpot_ms", "p99_e2el_ms")
+        return str(data["label"]), [{**r, **{k: float(r[k]) for k in numeric}} for r in data["rows"]]
     if (folder / "summary.json").is_file():
         s = load_summary(folder)
         rate = s.get("request_rate")

@@ -17,6 +17,8 @@ from pathlib import Path
 from loadgen.lengths import WORKLOADS, sample_lengths
 
 MOONCAKE_BLOCK_TOKENS = 512      # one Mooncake hash id covers this many prompt tokens
+MAX_LENGTH = 10**8               # a token count past any context (and past float precision worries)
+MAX_TIMESTAMP_MS = 10**12        # about 30 years: NaN, Infinity and the like are refused
 
 # name -> (file in loadgen/traces, format)
 SHIPPED = {
@@ -150,8 +152,9 @@ def _jsonl_request(obj: dict) -> TraceRequest:
         raise ValueError("needs 'prompt' or 'input_length'")
     output_len = _positive_int(obj, "output_length")
     stamp = obj.get("timestamp")
-    if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or stamp < 0):
-        raise ValueError("'timestamp' must be a number of milliseconds >= 0")
+    if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))
+                              or not 0 <= stamp <= MAX_TIMESTAMP_MS):
+        raise ValueError(f"'timestamp' must be a number of milliseconds in [0, {MAX_TIMESTAMP_MS:.0e}]")
     hash_ids = obj.get("hash_ids")
     if hash_ids is not None:
         if not isinstance(hash_ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
@@ -168,6 +171,7 @@ def _jsonl_request(obj: dict) -> TraceRequest:
 
 def _positive_int(obj: dict, key: str) -> int:
     value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"'{key}' must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LENGTH:
+        shown = value if not isinstance(value, int) or abs(value) < 10**12 else f"{str(value)[:12]}..."
+        raise ValueError(f"'{key}' must be an integer in [1, {MAX_LENGTH:.0e}], got {shown!r}")
     return value

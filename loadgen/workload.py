@@ -16,6 +16,8 @@ from loadgen.traces import Trace, TraceRequest
 
 FIT_MODES = ("scale", "filter")
 SCALE_QUANTILE = 0.99     # --fit scale shrinks every length so that this quantile of prompt + output fits
+FIT_SAMPLE = 10000        # ... of the trace's first this many requests (a fixed set: the same factor
+                          # whatever the number of requests sent)
 
 
 @dataclass
@@ -27,9 +29,19 @@ class Fit:
     dropped: int = 0              # filter: requests that did not fit
     capped: int = 0               # scale: requests still too long, shortened (output first)
 
+    trace_block: int | None = None   # tokens per hash id in the trace
+
     def describe(self) -> str:
-        what = f"{self.dropped} dropped" if self.mode == "filter" else f"{self.capped} capped"
-        blocks = f", {self.block_tokens} tokens per trace block" if self.block_tokens else ""
+        what = f"{self.capped} capped" if self.mode == "scale" else ""
+        if self.dropped or self.mode == "filter":
+            what += (", " if what else "") + f"{self.dropped} dropped"
+        blocks = ""
+        if self.block_tokens:
+            blocks = f", {self.block_tokens} tokens per trace block"
+            wanted = self.trace_block * self.factor
+            if self.block_tokens > 1.5 * wanted:
+                # A trace block is at least one KV block: prompts come out longer than the factor says.
+                blocks += f" (the factor alone gives {wanted:.1f}: prompts x{self.block_tokens / wanted:.1f} longer)"
         return f"--fit {self.mode} to {self.max_model_len} tokens: lengths x{self.factor:.4g}, {what}{blocks}"
 
 
@@ -47,19 +59,20 @@ def fit_to_context(trace: Trace, max_model_len: int, mode: str, kv_block_size: i
         raise ValueError(f"the model's context ({max_model_len}) leaves no room for a request")
     factor = 1.0
     if mode == "scale" and trace.requests:
-        totals = sorted(r.input_len + r.output_len for r in trace.requests)
+        totals = sorted(r.input_len + r.output_len for r in trace.requests[:FIT_SAMPLE])
         p99 = totals[max(0, math.ceil(SCALE_QUANTILE * len(totals)) - 1)]      # nearest rank
         factor = min(1.0, max_model_len / p99)
     block = None
     if trace.block_tokens:
         block = max(kv_block_size, round(trace.block_tokens * factor / kv_block_size) * kv_block_size)
-    fit = Fit(mode, max_model_len, factor, block)
+    fit = Fit(mode, max_model_len, factor, block, trace_block=trace.block_tokens)
     out = []
     for r in trace.requests:
         p = _prompt_len(r, factor, trace.block_tokens, block)
         o = max(1, round(r.output_len * factor))
         if p + o > max_model_len:
-            if mode == "filter":
+            # The user's own text cannot be shortened: it goes only if the output can make room.
+            if mode == "filter" or (r.prompt is not None and p >= max_model_len):
                 fit.dropped += 1
                 continue
             fit.capped += 1

@@ -98,6 +98,10 @@ def check_config(config) -> None:
             verdict = check(value)
             if verdict is not True:
                 raise ConfigError(f"{flag_name(f)} {_show(value)}: {verdict or 'invalid value'}")
+    # Checks across fields: a method of the config that returns a reason, or None when all is well.
+    reason = config.cross_check() if hasattr(config, "cross_check") else None
+    if reason:
+        raise ConfigError(reason)
 
 
 def parse_value(f: dataclasses.Field, hint: Any, raw: Any) -> Any:

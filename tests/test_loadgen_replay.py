@@ -53,6 +53,18 @@ def loadgen(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedPr
     return p
 
 
+def wait_in_flight(url: str, timeout_s: float = 60) -> None:
+    """Until the scripted server has requests streaming (a busy machine starts loadgen slowly)."""
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        if float(text.split("vllm:num_requests_running", 1)[1].split()[1]) > 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("loadgen sent nothing")
+
+
 def test_replay_measures_the_scripted_timing(fake, tmp_path):
     """TTFT = 0.1 s + 1 ms per prompt token, then one event every 30 ms: half of the requests have
     10-token prompts (TTFT 110 ms), half 200 (300 ms); a TTFT SLO of 200 ms keeps exactly half."""
@@ -106,12 +118,12 @@ def test_connection_errors_midway_are_counted(fake, tmp_path):
                           "--output-len", "40", "--num-requests", "30", "--rate", "20", "--out", "r",
                           "--no-progress"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    wait_in_flight(server.url)
     server.stop()                  # the server dies under load: cut streams, then refused connections
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert s["failed"] > 0 and set(s["errors"]) <= {"disconnect", "connect", "client"}
+    assert s["failed"] > 0 and set(s["errors"]) <= {"disconnect", "connect", "client"}, s["errors"]
     assert s["completed"] + s["failed"] == 30
 
 
@@ -122,7 +134,8 @@ def test_ctrl_c_stops_sending_and_writes_a_summary(fake, tmp_path):
                           "--out", "r", "--no-progress"], cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+    wait_in_flight(server.url)
+    time.sleep(1)
     started = time.monotonic()
     p.send_signal(signal.SIGINT)
     p.communicate(timeout=60)
@@ -130,6 +143,10 @@ def test_ctrl_c_stops_sending_and_writes_a_summary(fake, tmp_path):
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["interrupted"] is True
     assert 0 < s["completed"] + s["failed"] < 200 and s["errors"].get("interrupted", 0) > 0
+    # The requests cut short keep what they had: when they went out and the tokens they got.
+    cut = [json.loads(x) for x in (tmp_path / "r" / "requests.jsonl").read_text().splitlines()]
+    cut = [r for r in cut if r["error"] == "interrupted"]
+    assert cut and all(r["send"] is not None for r in cut) and any(r["token_times"] for r in cut)
     assert "interrupted" in (tmp_path / "r" / "report.md").read_text()
 
 

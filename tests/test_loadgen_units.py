@@ -110,7 +110,10 @@ def test_user_jsonl(tmp_path):
 
 @pytest.mark.parametrize("line,message", [
     ('{"output_length": 3}', "needs 'prompt' or 'input_length'"),
-    ('{"input_length": 0, "output_length": 3}', "'input_length' must be an integer >= 1"),
+    ('{"input_length": 0, "output_length": 3}', "'input_length' must be an integer in"),
+    ('{"input_length": 1%s, "output_length": 3}' % ("0" * 340), "'input_length' must be an integer in"),
+    ('{"input_length": 6, "output_length": 3, "timestamp": NaN}', "'timestamp' must be"),
+    ('{"input_length": 6, "output_length": 3, "timestamp": Infinity}', "'timestamp' must be"),
     ('{"input_length": 5, "output_length": true}', "'output_length' must be"),
     ('{"input_length": 600, "output_length": 3, "hash_ids": [1]}', "expected 2"),
     ('{"input_length": 6, "output_length": 3, "timestamp": "x"}', "'timestamp' must be"),
@@ -335,8 +338,9 @@ def test_scraped_metrics_sum_over_engines_and_know_old_names():
 def test_auto_rates_spread_below_saturation():
     assert auto_rates(10.0, 5) == [2.0, 4.0, 6.0, 8.0, 10.0]
     assert auto_rates(3.33333, 3) == [1.11, 2.22, 3.33]
-    rows = [{"rate": r, "completed": 5, "normalized_latency": nl} for r, nl in
-            [(math.inf, 9.0), (1.0, 0.01), (2.0, 0.02), (3.0, 0.5)]]
+    rows = [{"rate": r, "completed": 5, "failed": f, "normalized_latency": nl} for r, nl, f in
+            [(math.inf, 9.0, 0), (1.0, 0.01, 0), (2.0, 0.02, 0), (3.0, 0.05, 1), (4.0, 0.5, 0)]]
+    # 3 req/s is under the bound but lost a request: it does not hold.
     assert sustained_rate(rows, 0.1) == 2.0 and sustained_rate(rows, 0.001) is None
     assert sustained_rate(rows, None) is None
 
@@ -344,9 +348,9 @@ def test_auto_rates_spread_below_saturation():
 def test_flags_are_derived_and_checked(monkeypatch):
     from loadgen.cli import parser
     args = parser().parse_args(["replay", "--rate", "4", "--percentiles", "50,95", "99",
-                                "--goodput", "ttft:500", "tpot:50", "--no-stream", "--max-concurrency", "none"])
+                                "--goodput", "ttft:500", "tpot:50", "--stream", "--max-concurrency", "none"])
     cfg = from_args(ReplayConfig, {k: v for k, v in vars(args).items() if k != "command"})
-    assert cfg.rate == 4.0 and cfg.percentiles == [50.0, 95.0, 99.0] and cfg.stream is False
+    assert cfg.rate == 4.0 and cfg.percentiles == [50.0, 95.0, 99.0] and cfg.stream is True
     assert cfg.slos == {"ttft": 500.0, "tpot": 50.0} and cfg.max_concurrency is None
     monkeypatch.setenv("OPENAI_API_KEY", "sk-x")
     assert from_args(ReplayConfig, {}).api_key == "sk-x"
@@ -360,6 +364,10 @@ def test_flags_are_derived_and_checked(monkeypatch):
         from_args(SweepConfig, {"rates": ["fast"]})
     with pytest.raises(ValueError):
         parse_goodput(["ttft:-1"])
+    # Across fields: a TTFT goal cannot be judged on responses that are not streamed.
+    with pytest.raises(ConfigError, match="need streamed responses"):
+        from_args(ReplayConfig, {"stream": False, "goodput": ["ttft:100"]})
+    assert from_args(ReplayConfig, {"stream": False, "goodput": ["e2el:100"]}).slos == {"e2el": 100.0}
 
 
 def test_bad_flag_is_one_line_and_exit_2(capsys):
@@ -367,3 +375,47 @@ def test_bad_flag_is_one_line_and_exit_2(capsys):
     assert main(["replay", "--rate", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--rate -1.0: must be > 0" in err
+
+
+def test_out_that_cannot_be_written_is_refused_before_sending(tmp_path, capsys):
+    from loadgen.cli import main
+    (tmp_path / "afile").write_text("")
+    # Port 9 (discard): nothing is asked of it, the folder is checked first.
+    assert main(["replay", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "afile")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path), "--out", str(tmp_path / "afile" / "x")]) == 2
+
+
+def test_compare_names_a_folder_that_is_not_a_run(tmp_path, capsys):
+    from loadgen.cli import main
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "summary.json").write_text("not json")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "summary.json").write_text('{"label": "x"}')
+    for folder in ("bad", "half", "missing"):
+        assert main(["compare", str(tmp_path / folder), "--out", str(tmp_path / "cmp")]) == 2
+        err = capsys.readouterr().err
+        assert folder in err and err.count("\n") == 1
+
+
+def test_the_seed_fixes_the_requests_whatever_their_count_rate_or_duration():
+    from loadgen.replay import Server, make_plan
+    server = Server("http://x", "m", 1024)
+    plans = [make_plan(from_args(ReplayConfig, {}, trace="sharegpt", **kw), server) for kw in
+             ({"num_requests": 3}, {"num_requests": 200}, {"rate": 1.0, "duration": 30.0}, {"rate": 50.0, "duration": 30.0})]
+    firsts = [[(r.input_len, r.output_len, r.prompt) for r in p.requests[:3]] for p in plans]
+    assert all(f == firsts[0] for f in firsts)
+
+
+def test_a_users_text_too_long_for_the_context_is_dropped(tmp_path):
+    trace = Trace("t", "t", [TraceRequest(2000, 10, prompt="long"), TraceRequest(5, 2000, prompt="short")])
+    fitted, fit = fit_to_context(trace, 1024, "scale")
+    # The long text goes (it cannot be shortened); the short one keeps its text, its output is scaled.
+    assert [(r.input_len, r.output_len) for r in fitted] == [(5, 1019)] and fit.dropped == 1
+    assert "1 dropped" in fit.describe()
+
+
+def test_a_tokenizer_that_is_not_a_folder_is_one_line(tmp_path):
+    from loadgen.replay import ReplayError, Server, make_plan
+    with pytest.raises(ReplayError, match="no such folder"):
+        make_plan(from_args(ReplayConfig, {}, tokenizer=str(tmp_path / "nope")), Server("http://x", "m", 1024))
