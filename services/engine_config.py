@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.model_loader import DTYPES
+
 PREEMPTION_MODES = ("swap", "recompute", "auto")
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -15,7 +16,7 @@ class ConfigError(ValueError):
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "float32"                 # CPU runs float32 (bf16/fp16 matmuls are ~100x slower there)
+    dtype: str = "auto"                    # auto: float32 on CPU, the checkpoint's on CUDA (serving_dtype)
     block_size: int = 16
     num_device_blocks: int | None = None   # None: size from kv_cache_memory_gib
     kv_cache_memory_gib: float = 0.25

@@ -26,6 +26,7 @@ TINY_DIR = Path(".cache/tiny-llama")
 class Config:
     model: str = "tiny"
     device: str = "cpu"
+    dtype: str = "auto"                    # auto: float32 on CPU, the checkpoint's on CUDA
     host: str = "127.0.0.1"
     port: int = 8000
     routers: int = 1
@@ -46,7 +47,7 @@ class Config:
 
     def validate(self) -> "Config":
         from services.engine_config import EngineConfig
-        EngineConfig(model=self.model, device=self.device, block_size=self.block_size,
+        EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
                      num_device_blocks=self.num_device_blocks, swap_space_gib=self.swap_space_gib,
                      preemption_mode=self.preemption_mode, max_num_seqs=self.max_num_seqs,
                      max_num_batched_tokens=self.max_num_batched_tokens).validate()
@@ -74,6 +75,8 @@ class Config:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="a local model folder, or 'tiny' (built on first use)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=Config.dtype,
+                   help="auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16 or bfloat16")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--routers", type=int, default=1)
@@ -93,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> Config:
-    return Config(model=args.model, device=args.device, host=args.host, port=args.port, routers=args.routers,
+    return Config(model=args.model, device=args.device, dtype=args.dtype, host=args.host, port=args.port, routers=args.routers,
                   redis_url=args.redis_url, num_device_blocks=args.num_device_blocks,
                   kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
                   swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
@@ -122,11 +125,10 @@ def _die_with_parent() -> None:
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
-    import torch
-    from services.worker.model_loader import inspect_model_dir
+    from services.worker.model_loader import inspect_model_dir, serving_dtype
 
     _, spec = inspect_model_dir(model)
-    dtype = torch.float32 if cfg.device == "cpu" else torch.float16
+    dtype = serving_dtype(cfg.dtype, cfg.device, spec)   # resolved once: kvstore and workers agree
     block_bytes = spec.block_bytes(cfg.block_size, dtype, cfg.tensor_parallel)
     gib = 1 << 30
     device_blocks = cfg.num_device_blocks or int(cfg.kv_cache_memory_gib * gib) // block_bytes
@@ -145,6 +147,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
                                              "--endpoint", worker, "--kvstore-endpoint", kv,
                                              "--device", cfg.device, "--block-size", str(cfg.block_size),
+                                             "--dtype", str(dtype).removeprefix("torch."),
                                              "--torch-threads", str(threads)]))
     procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
