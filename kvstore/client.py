@@ -12,11 +12,15 @@ import pickle
 
 import zmq
 
+from kernels.device import on_device
 from kvstore.pool import BlockPool
 from services import protocol
 from services.rpc import PeerTimeout, RpcClient
 
 __all__ = ["KVStoreClient", "KVStoreError", "PeerTimeout", "attach_pools"]
+
+# Where torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments name the storage's device.
+_STORAGE_DEVICE = 6
 
 
 class KVStoreError(RuntimeError):
@@ -109,12 +113,14 @@ def attach_pools(info: protocol.PoolInfo, kind: str = "device", ranks: list[int]
 
 
 def _attach_cuda(info: protocol.PoolInfo, ranks: list[int] | None) -> list[BlockPool]:
-    # UNTESTED here (no GPU on CI). The handles come from kvstore.service._cuda_ipc_handles; pickle
-    # is acceptable only because the peer is our own kvstore on this host (loopback/ipc sockets).
+    # Run by `make gpu-check`, not by CI. The handles come from kvstore.service._cuda_ipc_handles;
+    # pickle is acceptable only because the peer is our own kvstore on this host (loopback/ipc).
+    import torch
     pools = []
     for rank in ranks if ranks is not None else range(len(info.device_pool_names)):
         name, handle = info.device_pool_names[rank], info.ipc_handles[rank]
         rebuild, args = pickle.loads(base64.b64decode(handle))
-        blocks = rebuild(*args)   # uint8 [num_device_blocks, block_bytes] on the kvstore's GPU
+        with on_device(torch.device("cuda", args[_STORAGE_DEVICE])):
+            blocks = rebuild(*args)   # uint8 [num_device_blocks, block_bytes] on the kvstore's GPU
         pools.append(BlockPool(name, info.num_device_blocks, info.block_bytes, blocks, shm=None, owner=False))
     return pools

@@ -25,6 +25,7 @@ from typing import Callable
 
 import zmq
 
+from kernels.device import on_device
 from kvstore.cuda_sync import CopySync, NoSync
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.replay import ReplicaDiverged, apply_ops
@@ -102,6 +103,8 @@ class Pools:
                 self.device.append(_create_device_pool(config, rank))
                 self.host.append(BlockPool.create(unique_pool_name(f"host{rank}"), config.num_host_blocks,
                                                   config.block_bytes, "cpu"))
+                if config.device != "cpu":
+                    self.host[-1].pin()   # swaps become asynchronous copies on the copy stream
         except BaseException:
             self.close_all()
             raise
@@ -123,14 +126,20 @@ def _create_device_pool(config: Config, rank: int) -> BlockPool:
 
 
 def _cuda_ipc_handles(pools: list[BlockPool]) -> list[str]:
-    """CUDA only, UNTESTED here (no GPU on CI): per rank, the pickled IPC handle of its device pool,
-    base64 text so msgpack carries it; a worker rebuilds the tensor with kvstore.client.attach_pools.
-    This process must keep the tensors alive for as long as workers map them (it does: until exit)."""
+    """CUDA only (run by `make gpu-check`, not by CI): per rank, the pickled IPC handle of its device
+    pool, base64 text so msgpack carries it; a worker rebuilds the tensor with
+    kvstore.client.attach_pools. This process keeps the tensors alive for as long as workers map
+    them (until exit)."""
     from torch.multiprocessing.reductions import reduce_tensor
-    return [base64.b64encode(pickle.dumps(reduce_tensor(p.blocks))).decode("ascii") for p in pools]
+    handles = []
+    for p in pools:
+        with on_device(p.blocks):
+            handles.append(base64.b64encode(pickle.dumps(reduce_tensor(p.blocks))).decode("ascii"))
+    return handles
 
 
 def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
+    copies_events, step_events = (sync or NoSync()).event_handles()
     return protocol.PoolInfo(
         block_size=config.block_size, block_bytes=config.block_bytes,
         num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
@@ -138,7 +147,7 @@ def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
         device="cpu" if config.device == "cpu" else "cuda",
         enable_prefix_caching=config.enable_prefix_caching,
         ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device),
-        event_handles=(sync or NoSync()).event_handles())
+        event_handles=copies_events, step_event_handles=step_events)
 
 
 # ---- the service core: frames in, frames out ---------------------------------------------------

@@ -142,7 +142,8 @@ class PoolInfo:
     device: str = "cpu"
     enable_prefix_caching: bool = True   # the scheduler's mirror must run the same policy
     ipc_handles: list = field(default_factory=list)   # CUDA only: pickled IPC handles per rank
-    event_handles: list = field(default_factory=list) # CUDA only: the copy-done event per rank
+    event_handles: list = field(default_factory=list) # CUDA only: the copies_done event per rank
+    step_event_handles: list = field(default_factory=list)   # CUDA only: the step_done event per rank
 
 
 @dataclass

@@ -35,11 +35,11 @@ import torch.distributed as dist
 import zmq
 
 from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
-from kvstore.cuda_sync import open_event
+from kvstore.cuda_sync import NoSync, StepSync
 from kvstore.pool import BlockPool
 from services import protocol
 from services.process import answer_requests, on_stop_signals, service_main
-from services.worker.model_loader import ModelLoadError, load_model
+from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.step_inputs import StepError, StepInputs
 from services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
@@ -50,7 +50,6 @@ log = logging.getLogger("pagedserve.worker")
 
 POLL_MS = 100        # how long rank 0 blocks waiting for a message: also the latency of a stop signal
 HEARTBEAT_S = 1.0    # rank 0 -> others when idle; must stay well under Config.dist_timeout_s
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class StartupError(RuntimeError):
@@ -72,7 +71,7 @@ class Config:
     kvstore_endpoint: str = "tcp://127.0.0.1:5601"
     kvstore_timeout_s: float = 10.0
     device: str = "cpu"                          # cpu, cuda (= cuda:<rank>) or cuda:N
-    dtype: str = "auto"                          # auto: float32 on CPU, float16 on CUDA
+    dtype: str = "auto"                          # auto: float32 on CPU, the checkpoint's on CUDA (serving_dtype)
     block_size: int = 16                         # must equal the kvstore's
     torch_threads: int = 0                       # 0: torch's default
     seed: int = 0
@@ -111,11 +110,6 @@ class Config:
     def torch_device(self) -> str:
         return f"cuda:{self.rank}" if self.device == "cuda" else self.device
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.float16
-        return getattr(torch, self.dtype)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,9 +143,9 @@ class WorkerService:
     """One rank's model, pool mapping and step state; rank 0 also has the sampler (WorkerCore)."""
 
     def __init__(self, runner: ModelRunner, core: WorkerCore | None, pool: BlockPool,
-                 tp: TensorParallel = SINGLE, copies_done=None):
+                 tp: TensorParallel = SINGLE, sync=None):
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
-        self.copies_done = copies_done   # CUDA: the kvstore's interprocess event (kvstore/cuda_sync.py)
+        self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
         self.inputs = StepInputs()
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
@@ -182,12 +176,11 @@ class WorkerService:
         prompt_logprobs: dict = {}
         error = None
         try:
-            self.inputs.apply_deltas(msg)
-            steps, samples = self.inputs.build(msg)
-            if steps:
-                if self.copies_done is not None:   # the step's COW/swap copies ran on the kvstore's stream
-                    torch.cuda.current_stream().wait_event(self.copies_done)
-                results = self._execute(steps, samples, prompt_logprobs)
+            with self.sync.step():   # every step, on every rank, sampled or not (the ordering contract)
+                self.inputs.apply_deltas(msg)
+                steps, samples = self.inputs.build(msg)
+                if steps:
+                    results = self._execute(steps, samples, prompt_logprobs)
         except StepError as e:
             log.warning("step %d rejected: %s", msg.step, e)
             error = str(e)
@@ -282,8 +275,9 @@ def start_worker(config: Config) -> WorkerService:
 
 
 def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) -> WorkerService:
-    dtype, device = config.torch_dtype, config.torch_device
+    device = config.torch_device
     try:
+        dtype = serving_dtype(config.dtype, device, inspect_model_dir(config.model)[1])
         model, spec = load_model(config.model, dtype, device, tp)
         want = spec.block_bytes(config.block_size, dtype, config.tp_size)
     except (ModelLoadError, TPConfigError) as e:
@@ -297,8 +291,18 @@ def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) 
         raise StartupError(f"cannot map device pool {info.device_pool_names[config.rank]}: {e}") from None
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
     core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
-    event = open_event(info.event_handles[config.rank], device) if info.event_handles else None
-    return WorkerService(runner, core, pool, tp, event)
+    return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
+
+
+def step_sync(info: protocol.PoolInfo, rank: int, device: str, tp: TensorParallel):
+    """This rank's half of the ordering contract (kvstore/cuda_sync.py): StepSync on CUDA pools."""
+    if not info.event_handles:
+        return NoSync()
+    barrier = None
+    if tp.size > 1:
+        def barrier() -> None:
+            dist.barrier(group=tp.control_group)
+    return StepSync(info.event_handles[rank], info.step_event_handles[rank], device, barrier)
 
 
 # ---- the process -------------------------------------------------------------------------------
