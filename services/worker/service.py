@@ -289,6 +289,12 @@ def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) 
         pool = attach_device_pool(info, config.rank)
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot map device pool {info.device_pool_names[config.rank]}: {e}") from None
+    if pool.blocks.device != torch.device(device):
+        where = pool.blocks.device
+        pool.close()
+        # Device numbers are per process (CUDA_VISIBLE_DEVICES): the two must name the same GPU.
+        raise StartupError(f"the kvstore's pool for rank {config.rank} is on {where}, this worker runs on "
+                           f"{device}: give the kvstore and the worker the same GPU")
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
     core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
     return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
