@@ -26,9 +26,9 @@ _STORAGE_DEVICE = 6
 class KVStoreError(RuntimeError):
     """The kvstore answered with an Error (a malformed request, a step it already applied, ...)."""
 
-    def __init__(self, message: str, code: int = 500):
+    def __init__(self, message: str, code: int = 500, param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 class KVStoreClient:
@@ -58,6 +58,10 @@ class KVStoreClient:
     def pool_info(self, timeout_s: float | None = None) -> protocol.PoolInfo:
         return self._call(protocol.GetPoolInfo(), protocol.PoolInfo, timeout_s)
 
+    def report_memory(self, rank: int, reserve_bytes: int) -> protocol.Pong:
+        """A worker rank's profile, for a kvstore that sizes its pools from free GPU memory."""
+        return self._call(protocol.ReportMemory(rank, reserve_bytes), protocol.Pong)
+
     def stats(self) -> dict:
         return self._call(protocol.GetStats(), protocol.StatsReply).stats
 
@@ -80,7 +84,7 @@ class KVStoreClient:
     @staticmethod
     def _check(asked: type, reply, want: type):
         if isinstance(reply, protocol.Error):
-            raise KVStoreError(f"kvstore: {reply.message}", reply.code)
+            raise KVStoreError(f"kvstore: {reply.message}", reply.code, reply.param)
         if not isinstance(reply, want):
             raise KVStoreError(f"kvstore answered {asked.__name__} with {type(reply).__name__}")
         return reply

@@ -148,13 +148,29 @@ def copy_within(pool: BlockPool, pairs: list[tuple[int, int]]) -> None:
     """pool.blocks[dst] = pool.blocks[src] for every (src, dst): the copy-on-write copy, on the
     kernels package's copy_blocks (Triton on CUDA, indexing on CPU), on the pool's device's current
     stream (the kvstore's copy stream: kvstore/cuda_sync.py)."""
-    if not pairs:
-        return
-    blocks = pool._live_blocks()
+    if pairs:
+        _copy_rows(pool._live_blocks(), pairs)
+
+
+def _copy_rows(blocks: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     with on_device(blocks):
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=blocks.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=blocks.device)
         copy_blocks(blocks, src, dst)
+
+
+def warm_up(pool: BlockPool) -> None:
+    """Compile the copy-on-write kernel for this pool's rows now, before the kvstore answers anyone:
+    a first Triton compile takes seconds (it builds its launcher with gcc), over the scheduler's 5 s
+    peer timeout had it happened inside the loop. It runs on two scratch rows of the same size and
+    device, which specialize the kernel exactly as the pool does, so the pool's bytes stay as they are.
+    On CPU it runs the reference copy, which has nothing to compile."""
+    blocks = pool._live_blocks()
+    with on_device(blocks):
+        scratch = torch.zeros((2, pool.block_bytes), dtype=torch.uint8, device=blocks.device)
+        _copy_rows(scratch, [(0, 1)])
+        if blocks.is_cuda:
+            torch.cuda.synchronize(blocks.device)
 
 
 def copy_between(src_pool: BlockPool, dst_pool: BlockPool, pairs: list[tuple[int, int]]) -> None:
