@@ -9,7 +9,8 @@ Rules every kernel keeps, because the layout and the interpreter demand them:
 - caches are [num_blocks, B, Hkv, D] with an arbitrary stride(0): block ids are cast to int64
   before they are multiplied by a stride (int32 products overflow silently on big pools);
 - no unmasked load can leave its tensor (an out-of-bounds load crashes the interpreter process);
-- one fixed launch configuration chosen by simple rules below (no autotune: it needs a driver);
+- one fixed launch configuration chosen by simple rules below (no autotune: it needs a driver), and
+  no specialization on integers that vary per step (_STEP_VARYING);
 - every launch runs under the device guard of the tensor it writes (kernels/device.py): Triton
   launches on the current device and its current stream, which need not be the tensor's.
 """
@@ -104,7 +105,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 # Paged attention
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+# Integers that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for == 1 and for multiples of 16): one compile per model, done by the worker's start-up
+# pass, never a new one inside a later step.
+_STEP_VARYING = ["table_s0", "q_blocks_per_seq"]
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         scale_log2,
@@ -169,7 +176,7 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_VARYING[:1])
 def _paged_decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
         q_s0, q_s1, out_s0, out_s1, cache_s0, cache_s1, cache_s2, table_s0,

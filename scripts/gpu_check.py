@@ -146,9 +146,16 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SITE)]), HF_HUB_OFFLINE="1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.pop("TRITON_INTERPRET", None)
-    rows = [{"section": "setup", "check": "CUDA device and packages", "ok": True,
+    # Every package the sections import, as they will import them (a wheel that needs a newer
+    # dependency than the machine has shows here, not as a puzzle inside a section).
+    probe = subprocess.run([sys.executable, "-c", "import zmq, msgpack, fastapi, uvicorn, redis, httpx, "
+                            "prometheus_client, transformers, tokenizers, safetensors, pytest, triton"],
+                           cwd=REPO, env=env, capture_output=True, text=True)
+    rows = [{"section": "setup", "check": "CUDA device and packages", "ok": probe.returncode == 0,
              "figure": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-                       f"installed from wheels: {', '.join(installed) or 'nothing'}"}]
+                       f"installed from wheels: {', '.join(installed) or 'nothing'}"
+                       + ("" if probe.returncode == 0 else
+                          f"; {(probe.stderr.strip().splitlines() or ['import failed'])[-1][:120]}")}]
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     py = [sys.executable]
     tests = {"kernels: tests/test_kernels.py compiled": ["tests/test_kernels.py"],

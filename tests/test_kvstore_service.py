@@ -34,7 +34,9 @@ def start(endpoint: str, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "kvstore.service", "--endpoint", endpoint,
             "--num-device-blocks", str(DEVICE_BLOCKS), "--num-host-blocks", str(HOST_BLOCKS),
             "--block-size", str(B), "--block-bytes", str(BLOCK_BYTES), "--tp-size", str(TP), *extra]
-    return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    # The caller's PYTHONPATH stays after the repository: `make gpu-check` brings packages in it.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
