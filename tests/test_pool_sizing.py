@@ -156,3 +156,31 @@ def test_up_refuses_a_utilization_outside_zero_to_one():
     for bad in ("0", "1.2"):
         with pytest.raises(ValueError, match="--gpu-memory-utilization"):
             launcher.config_from_args(p.parse_args(["--gpu-memory-utilization", bad]))
+
+
+def test_worker_profiles_then_reports_then_maps_the_pool(tiny_llama, monkeypatch):
+    """The hand-over on the worker's side: load, profile, report the reserve, wait for PoolInfo,
+    and only then map the pool (which a sizing kvstore has not made before the report)."""
+    from kvstore.pool import BlockPool, unique_pool_name
+    from services.worker.model_loader import inspect_model_dir
+    from services.worker.tp import SINGLE
+    _, spec = inspect_model_dir(tiny_llama)
+    block_bytes = spec.block_bytes(16, torch.float32)
+    pool = BlockPool.create(unique_pool_name("order"), 8, block_bytes)
+    info = protocol.PoolInfo(block_size=16, block_bytes=block_bytes, num_device_blocks=8, num_host_blocks=0,
+                             device_pool_names=[pool.name], host_pool_names=[])
+    order = []
+    monkeypatch.setattr(wservice, "warm_up_and_profile", lambda *a, **k: order.append("profile") or 123)
+    monkeypatch.setattr(wservice, "report_and_wait",
+                        lambda config, reserve: order.append(("report", reserve)) or info)
+    real_attach = wservice.attach_device_pool
+    monkeypatch.setattr(wservice, "attach_device_pool",
+                        lambda info, rank: order.append("attach") or real_attach(info, rank))
+    config = wservice.Config(model=tiny_llama).validate()
+    service = wservice._build_service(config, None, SINGLE)
+    try:
+        assert order == ["profile", ("report", 123), "attach"]
+    finally:
+        service.close()
+        pool.close()
+        pool.unlink()
