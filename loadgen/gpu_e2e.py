@@ -14,7 +14,8 @@
 4. Pressure: a second float32 stack with a small device pool and swap preemption gives the first
    stack's results for greedy, n=4 seeded sampling and beam search 4 sent all at once, and it did
    preempt (so swaps went through the pinned host pool and the copy streams).
-5. Replay: Poisson arrivals at a few rates against the first stack: output tok/s, TTFT, TPOT.
+5. Replay: Poisson arrivals at a few rates against the first stack, through loadgen's client:
+   output tok/s, TTFT and TPOT as vllm bench serve defines them.
 
 Every check is a row {section, check, ok, figure}; the JSON file holds them all. ok=None marks a
 figure that is reported, not judged. --device cpu with a small --layers/--hidden runs the same
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import re
 import time
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from loadgen.bench_e2e import drive, make_requests
+from loadgen.metrics import summarize
 from loadgen.stack import Stack
 
 NEW_TOKENS = 24
@@ -168,18 +169,16 @@ def check_float32_stack(model: str, device: str, prompts, hf32, rows: list, rate
         got = [post(stack.url, {"model": model, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0,
                                 "ignore_eos": True})["choices"][0]["text"] for p in prompts]
         same = sum(g == w for g, w in zip(got, want))
-        rows.append(row("server", "float32 greedy == transformers (GPU), token for token", same == len(want),
+        rows.append(row("server", f"float32 greedy == transformers on {device}, token for token", same == len(want),
                         f"{same}/{len(want)} prompts"))
         reference = asyncio.run(post_all(stack.url, completion_bodies(model, prompts)))
-        for rate in rates:
-            reqs = make_requests(32, 256, 128, 2048, seed=1)
-            results, elapsed = asyncio.run(drive(stack.url, model, reqs, rate, seed=1))
-            toks = sum(r["tokens"] for r in results)
-            ttft = [r["ttft"] for r in results]
-            tpot = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
+        for rate in rates:   # loadgen's client and vllm bench serve's metric definitions
+            records, _ = drive(stack.url, model, make_requests(32, 256, 128, 2048, seed=1), rate, seed=1)
+            m = summarize(records, [99])
             rows.append(row("replay", f"32 requests, 128-256 -> 64-128 tokens, rate {rate or 'inf'}/s", None,
-                            f"{toks / elapsed:.0f} out tok/s, TTFT mean {1000 * sum(ttft) / len(ttft):.0f} ms, "
-                            f"TPOT mean {1000 * sum(tpot) / max(1, len(tpot)):.1f} ms"))
+                            f"{m['output_throughput']:.0f} out tok/s, TTFT mean {m['mean_ttft_ms']:.0f} / p99 "
+                            f"{m['p99_ttft_ms']:.0f} ms, TPOT mean {m['mean_tpot_ms']:.1f} / p99 "
+                            f"{m['p99_tpot_ms']:.1f} ms"))
         return reference
     finally:
         stack.stop()
