@@ -16,7 +16,8 @@ a no-op.
 The contract, for every step and every rank:
 1. kvstore, each ApplyOps: for each device r, its copy stream waits on step_done[r]; every
    copy-on-write and swap copy of device r's pools is enqueued on that stream (never the default
-   stream); copies_done[r] is recorded on it. Only then does the kvstore reply.
+   stream); copies_done[r] is recorded on it, also when the replay failed partway. Only then
+   does the kvstore reply.
 2. worker rank r, each ExecuteStep (whether it samples or not, whether it fails or not): its
    compute stream waits on copies_done[r]; the step's kernels are enqueued; step_done[r] is
    recorded on the compute stream. With tp_size > 1 the ranks then meet in a barrier on the CPU
@@ -81,16 +82,18 @@ class CopySync:
         """Contract step 1: the block operations inside run on the copy streams after the workers'
         last steps, and copies_done is recorded after them. Pool code guards on its pool's device
         (kernels.device.on_device), so it enqueues on that device's current stream: the copy stream."""
-        with contextlib.ExitStack() as stack:
-            for device, stream, step in zip(self.devices, self.streams, self.step_done):
+        try:
+            with contextlib.ExitStack() as stack:
+                for device, stream, step in zip(self.devices, self.streams, self.step_done):
+                    with on_device(device):
+                        stream.wait_event(step)
+                    # torch.cuda.stream(s) also makes s's device current: harmless, every call guards.
+                    stack.enter_context(torch.cuda.stream(stream))
+                yield
+        finally:   # also after a failed replay: the copies it did enqueue are covered too
+            for device, stream, event in zip(self.devices, self.streams, self.copies_done):
                 with on_device(device):
-                    stream.wait_event(step)
-                # torch.cuda.stream(s) also makes s's device current: harmless, every call guards.
-                stack.enter_context(torch.cuda.stream(stream))
-            yield
-        for device, stream, event in zip(self.devices, self.streams, self.copies_done):
-            with on_device(device):
-                event.record(stream)
+                    event.record(stream)
 
 
 class StepSync:

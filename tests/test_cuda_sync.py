@@ -200,3 +200,13 @@ def test_no_sync_on_cpu_is_a_no_op():
     with sync.copies(), sync.step():
         pass
 
+
+
+def test_a_replay_that_fails_midway_still_records_copies_done(fake):
+    sync = CopySync(DEVICES)
+    fake.log.clear()
+    with pytest.raises(RuntimeError):
+        with sync.copies():
+            fake.log.append(("copy",))
+            raise RuntimeError("the replica diverged after some copies")
+    assert [e[0] for e in fake.log] == ["wait", "wait", "copy", "record", "record"]
