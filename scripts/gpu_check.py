@@ -83,18 +83,20 @@ def install_missing() -> list[str]:
 
 
 def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc.began = time.monotonic()
+    return proc
 
 
 def finish(proc: subprocess.Popen, deadline: float) -> tuple[int | None, float]:
-    """-> (exit code, or None if killed at the deadline; seconds it ran)."""
-    began = time.monotonic()
+    """-> (exit code, or None if killed at the deadline; seconds since it started)."""
     try:
-        return proc.wait(max(1.0, deadline - time.monotonic())), time.monotonic() - began
+        code = proc.wait(max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        return None, time.monotonic() - began
+        code = None
+    return code, time.monotonic() - proc.began
 
 
 def pytest_row(section: str, what: str, code, seconds: float, log: Path) -> dict:
