@@ -4,7 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: serve demo test bench-kernels clean
+.PHONY: serve demo test bench-kernels gpu-wheels gpu-check clean
+
+# The GPU machine runs the check with its own Python (torch, triton; no network, no .venv there).
+GPU_PY ?= python3
+GPU_WHEELS := .whl/gpu
+# Any pip can download for another interpreter; the .venv's once it exists.
+WHEELS_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +31,17 @@ test: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m kernels.benchmark
+
+# Here, with network: wheels for the GPU machine's Python 3.12 (scripts/gpu-requirements.txt).
+gpu-wheels:
+	$(WHEELS_PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux_2_28_x86_64 --platform any -d $(GPU_WHEELS) -r scripts/gpu-requirements.txt
+	@du -sh $(GPU_WHEELS)
+
+# There: one table, under 5 minutes; exits 77 at once (make then says Error 77) without CUDA.
+gpu-check:
+	@$(GPU_PY) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .cache

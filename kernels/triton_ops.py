@@ -9,7 +9,10 @@ Rules every kernel keeps, because the layout and the interpreter demand them:
 - caches are [num_blocks, B, Hkv, D] with an arbitrary stride(0): block ids are cast to int64
   before they are multiplied by a stride (int32 products overflow silently on big pools);
 - no unmasked load can leave its tensor (an out-of-bounds load crashes the interpreter process);
-- one fixed launch configuration chosen by simple rules below (no autotune: it needs a driver).
+- one fixed launch configuration chosen by simple rules below (no autotune: it needs a driver), and
+  no specialization on integers that vary per step (_STEP_VARYING);
+- every launch runs under the device guard of the tensor it writes (kernels/device.py): Triton
+  launches on the current device and its current stream, which need not be the tensor's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.device import on_device
+from kernels.limits import check_attention_shape
 
 
 def _next_pow2(n: int) -> int:
@@ -33,9 +39,6 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("caches must be [num_blocks, B, Hkv, D] with a unit stride on D")
     if k_cache.stride()[1:] != v_cache.stride()[1:] or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must share shape and inner strides")
-    head_dim = k_cache.shape[3]
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,20 +90,28 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         return
     if key.stride(2) != 1 or value.stride(2) != 1:
         key, value = key.contiguous(), value.contiguous()
+    check_attention_shape(head_dim, num_kv_heads, num_kv_heads)
     slots = slot_mapping.to(dtype=torch.int64).contiguous()
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slots,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_H=_next_pow2(num_kv_heads), num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
+    with on_device(k_cache):
+        _write_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slots,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+            BLOCK_H=_next_pow2(num_kv_heads), num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
 
 
 # --------------------------------------------------------------------------------------------
 # Paged attention
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+# Integers that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for == 1 and for multiples of 16): one compile per model, done by the worker's start-up
+# pass, never a new one inside a later step.
+_STEP_VARYING = ["table_s0", "q_blocks_per_seq"]
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         scale_log2,
@@ -165,7 +176,7 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_VARYING[:1])
 def _paged_decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
         q_s0, q_s1, out_s0, out_s1, cache_s0, cache_s1, cache_s2, table_s0,
@@ -212,17 +223,18 @@ def _paged_decode_kernel(
 _LOG2E = 1.4426950408889634
 
 
-def _kv_tile(block_size: int, head_dim: int) -> int:
-    # Tiles need not align with cache blocks (each key finds its own block), so pick the tile for
-    # the hardware: >= 16 for tl.dot, and smaller for big heads to bound the K/V tile registers.
-    return max(16, block_size, 64 if head_dim <= 64 else 32)
+def _kv_tile(head_dim: int) -> int:
+    """Keys per loop iteration. Independent of the cache's block size (each key finds its own
+    block through the table), so a big block never means a big tile: a tile of 256 keys at head_dim
+    128 needs more shared memory than a GPU has. >= 16 for tl.dot; smaller for big heads, whose
+    [D, N] + [N, D] tiles would otherwise spill registers."""
+    return 64 if head_dim <= 64 else 32
 
 
 def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     _check_cache(k_cache, v_cache)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    check_attention_shape(k_cache.shape[3], num_q_heads, num_kv_heads)
     if q.shape[2] != k_cache.shape[3] or q.stride(2) != 1:
         raise ValueError("q must be [T, Hq, D] with the caches' D and a unit stride on D")
     return num_q_heads // num_kv_heads
@@ -239,13 +251,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     block_size = k_cache.shape[1]
     block_tables = block_tables.contiguous()
-    _paged_decode_kernel[(num_seqs, k_cache.shape[2])](
-        out, q, k_cache, v_cache, block_tables, seq_lens.contiguous(), scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=_kv_tile(block_size, head_dim),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2)
+    with on_device(out):
+        _paged_decode_kernel[(num_seqs, k_cache.shape[2])](
+            out, q, k_cache, v_cache, block_tables, seq_lens.contiguous(), scale * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=_kv_tile(head_dim),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=4, num_stages=2)
     return out
 
 
@@ -272,15 +285,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // group
     q_blocks_per_seq = triton.cdiv(max_query_len, block_q)
     block_tables = block_tables.contiguous()
-    _paged_attention_kernel[(num_seqs * q_blocks_per_seq, k_cache.shape[2])](
-        out, q, k_cache, v_cache, block_tables, seq_lens.contiguous(),
-        query_start_loc.contiguous(), scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        q.shape[1], q_blocks_per_seq,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=_kv_tile(block_size, head_dim),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2)
+    with on_device(out):
+        _paged_attention_kernel[(num_seqs * q_blocks_per_seq, k_cache.shape[2])](
+            out, q, k_cache, v_cache, block_tables, seq_lens.contiguous(),
+            query_start_loc.contiguous(), scale * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            q.shape[1], q_blocks_per_seq,
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=_kv_tile(head_dim),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=4, num_stages=2)
     return out
 
 
@@ -317,7 +331,8 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
             and (rows.stride(0) * rows.element_size()) % 4 == 0 and rows.data_ptr() % 4 == 0:
         rows = rows.view(torch.int32)
     chunk = min(4096, _next_pow2(rows.shape[1]))
-    src = src.to(device=pool.device, dtype=torch.int64).contiguous()
-    dst = dst.to(device=pool.device, dtype=torch.int64).contiguous()
-    _copy_blocks_kernel[(src.numel(), triton.cdiv(rows.shape[1], chunk))](
-        rows, src, dst, rows.stride(0), rows.shape[1], CHUNK=chunk, num_warps=4)
+    with on_device(pool):   # the pool's device, not the current one (the kvstore holds one per rank)
+        src = src.to(device=pool.device, dtype=torch.int64).contiguous()
+        dst = dst.to(device=pool.device, dtype=torch.int64).contiguous()
+        _copy_blocks_kernel[(src.numel(), triton.cdiv(rows.shape[1], chunk))](
+            rows, src, dst, rows.stride(0), rows.shape[1], CHUNK=chunk, num_warps=4)

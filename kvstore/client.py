@@ -12,19 +12,23 @@ import pickle
 
 import zmq
 
+from kernels.device import on_device
 from kvstore.pool import BlockPool
 from services import protocol
 from services.rpc import PeerTimeout, RpcClient
 
 __all__ = ["KVStoreClient", "KVStoreError", "PeerTimeout", "attach_pools"]
 
+# Where torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments name the storage's device.
+_STORAGE_DEVICE = 6
+
 
 class KVStoreError(RuntimeError):
     """The kvstore answered with an Error (a malformed request, a step it already applied, ...)."""
 
-    def __init__(self, message: str, code: int = 500):
+    def __init__(self, message: str, code: int = 500, param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 class KVStoreClient:
@@ -54,6 +58,10 @@ class KVStoreClient:
     def pool_info(self, timeout_s: float | None = None) -> protocol.PoolInfo:
         return self._call(protocol.GetPoolInfo(), protocol.PoolInfo, timeout_s)
 
+    def report_memory(self, rank: int, reserve_bytes: int) -> protocol.Pong:
+        """A worker rank's profile, for a kvstore that sizes its pools from free GPU memory."""
+        return self._call(protocol.ReportMemory(rank, reserve_bytes), protocol.Pong)
+
     def stats(self) -> dict:
         return self._call(protocol.GetStats(), protocol.StatsReply).stats
 
@@ -76,7 +84,7 @@ class KVStoreClient:
     @staticmethod
     def _check(asked: type, reply, want: type):
         if isinstance(reply, protocol.Error):
-            raise KVStoreError(f"kvstore: {reply.message}", reply.code)
+            raise KVStoreError(f"kvstore: {reply.message}", reply.code, reply.param)
         if not isinstance(reply, want):
             raise KVStoreError(f"kvstore answered {asked.__name__} with {type(reply).__name__}")
         return reply
@@ -109,12 +117,14 @@ def attach_pools(info: protocol.PoolInfo, kind: str = "device", ranks: list[int]
 
 
 def _attach_cuda(info: protocol.PoolInfo, ranks: list[int] | None) -> list[BlockPool]:
-    # UNTESTED here (no GPU on CI). The handles come from kvstore.service._cuda_ipc_handles; pickle
-    # is acceptable only because the peer is our own kvstore on this host (loopback/ipc sockets).
+    # Run by `make gpu-check`, not by CI. The handles come from kvstore.service._cuda_ipc_handles;
+    # pickle is acceptable only because the peer is our own kvstore on this host (loopback/ipc).
+    import torch
     pools = []
     for rank in ranks if ranks is not None else range(len(info.device_pool_names)):
         name, handle = info.device_pool_names[rank], info.ipc_handles[rank]
         rebuild, args = pickle.loads(base64.b64decode(handle))
-        blocks = rebuild(*args)   # uint8 [num_device_blocks, block_bytes] on the kvstore's GPU
+        with on_device(torch.device("cuda", args[_STORAGE_DEVICE])):
+            blocks = rebuild(*args)   # uint8 [num_device_blocks, block_bytes] on the kvstore's GPU
         pools.append(BlockPool(name, info.num_device_blocks, info.block_bytes, blocks, shm=None, owner=False))
     return pools

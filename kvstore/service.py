@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import gc
 import logging
 import pickle
@@ -25,9 +26,11 @@ from typing import Callable
 
 import zmq
 
+from kernels.device import on_device
 from kvstore.cuda_sync import CopySync, NoSync
-from kvstore.pool import BlockPool, unique_pool_name
+from kvstore.pool import BlockPool, unique_pool_name, warm_up
 from kvstore.replay import ReplicaDiverged, apply_ops
+from kvstore.sizing import PoolSizing
 from kvstore.store import BlockStore
 from services import protocol
 from services.process import answer_requests, on_stop_signals, service_main
@@ -46,11 +49,19 @@ class Config:
     tp_size: int = 1                     # one device pool and one host pool per rank
     enable_prefix_caching: bool = True
     device: str = "cpu"                  # where the device pools live: cpu (shared memory) or cuda
+    gpu_memory_utilization: float = 0.0  # > 0 (CUDA): size the device pools once the workers have
+                                         # profiled (kvstore/sizing.py); num_device_blocks is unused
     endpoint: str = "tcp://127.0.0.1:5601"
     log_level: str = "INFO"
 
     def validate(self) -> "Config":
-        if self.num_device_blocks < 1:
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in [0, 1] (0: --num-device-blocks), "
+                             f"got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization and self.device == "cpu":
+            raise ValueError("--gpu-memory-utilization sizes CUDA pools: it needs --device cuda "
+                             "(on CPU give --num-device-blocks)")
+        if self.num_device_blocks < 1 and not self.gpu_memory_utilization:
             raise ValueError("--num-device-blocks must be at least 1")
         if self.num_host_blocks < 0:
             raise ValueError("--num-host-blocks must be non-negative")
@@ -78,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=Config.tp_size)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--device", default=Config.device, help="cpu or cuda")
+    p.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization,
+                   help="CUDA: the fraction of each GPU this replica may use; the device pools are "
+                        "sized from free memory after the workers' profiling pass (0: --num-device-blocks)")
     p.add_argument("--endpoint", default=Config.endpoint)
     p.add_argument("--log-level", default=Config.log_level)
 
@@ -86,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(num_device_blocks=args.num_device_blocks, num_host_blocks=args.num_host_blocks,
                   block_size=args.block_size, block_bytes=args.block_bytes, tp_size=args.tp_size,
                   enable_prefix_caching=not args.no_prefix_caching, device=args.device,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   endpoint=args.endpoint, log_level=args.log_level)
 
 
@@ -102,6 +117,8 @@ class Pools:
                 self.device.append(_create_device_pool(config, rank))
                 self.host.append(BlockPool.create(unique_pool_name(f"host{rank}"), config.num_host_blocks,
                                                   config.block_bytes, "cpu"))
+                if config.device != "cpu":
+                    self.host[-1].pin()   # swaps become asynchronous copies on the copy stream
         except BaseException:
             self.close_all()
             raise
@@ -116,21 +133,30 @@ class Pools:
         self.device, self.host = [], []
 
 
+def _device_of(config: Config, rank: int) -> str:
+    return "cpu" if config.device == "cpu" else f"cuda:{rank}"
+
+
 def _create_device_pool(config: Config, rank: int) -> BlockPool:
-    device = "cpu" if config.device == "cpu" else f"cuda:{rank}"
     return BlockPool.create(unique_pool_name(f"device{rank}"), config.num_device_blocks,
-                            config.block_bytes, device)
+                            config.block_bytes, _device_of(config, rank))
 
 
 def _cuda_ipc_handles(pools: list[BlockPool]) -> list[str]:
-    """CUDA only, UNTESTED here (no GPU on CI): per rank, the pickled IPC handle of its device pool,
-    base64 text so msgpack carries it; a worker rebuilds the tensor with kvstore.client.attach_pools.
-    This process must keep the tensors alive for as long as workers map them (it does: until exit)."""
+    """CUDA only (run by `make gpu-check`, not by CI): per rank, the pickled IPC handle of its device
+    pool, base64 text so msgpack carries it; a worker rebuilds the tensor with
+    kvstore.client.attach_pools. This process keeps the tensors alive for as long as workers map
+    them (until exit)."""
     from torch.multiprocessing.reductions import reduce_tensor
-    return [base64.b64encode(pickle.dumps(reduce_tensor(p.blocks))).decode("ascii") for p in pools]
+    handles = []
+    for p in pools:
+        with on_device(p.blocks):
+            handles.append(base64.b64encode(pickle.dumps(reduce_tensor(p.blocks))).decode("ascii"))
+    return handles
 
 
 def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
+    copies_events, step_events = (sync or NoSync()).event_handles()
     return protocol.PoolInfo(
         block_size=config.block_size, block_bytes=config.block_bytes,
         num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
@@ -138,7 +164,7 @@ def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
         device="cpu" if config.device == "cpu" else "cuda",
         enable_prefix_caching=config.enable_prefix_caching,
         ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device),
-        event_handles=(sync or NoSync()).event_handles())
+        event_handles=copies_events, step_event_handles=step_events)
 
 
 # ---- the service core: frames in, frames out ---------------------------------------------------
@@ -206,11 +232,12 @@ def _pong(msg: protocol.Ping) -> protocol.Pong:
 
 # ---- the process -------------------------------------------------------------------------------
 
-def run(config: Config) -> int:
-    """Serve until SIGTERM/SIGINT; 0 on a clean stop, 1 if the socket or the pools cannot be set up."""
+def run(config: Config, stop: threading.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop` is set); 0 on a clean stop, 1 if the socket or the
+    pools cannot be set up."""
     config.validate()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s kvstore %(levelname)s %(message)s")
-    stop = threading.Event()
+    stop = stop or threading.Event()
     restore = on_stop_signals(stop)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -223,7 +250,14 @@ def run(config: Config) -> int:
             log.error("cannot bind %s: %s", config.endpoint, e)
             return 1
         try:
+            if config.gpu_memory_utilization:
+                blocks = _size_device_pools(sock, config, stop)
+                if blocks is None:   # stopped while waiting for the workers
+                    return 0
+                config = dataclasses.replace(config, num_device_blocks=blocks)
             pools = Pools(config)
+            for pool in pools.device:
+                warm_up(pool)   # before anyone is answered: no compile inside the loop
             def make_store() -> BlockStore:
                 return BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                   config.enable_prefix_caching, pools.device, pools.host)
@@ -247,6 +281,32 @@ def run(config: Config) -> int:
         sock.close()
         ctx.term()
         restore()
+
+
+def _size_device_pools(sock: zmq.Socket, config: Config, stop: threading.Event) -> int | None:
+    """Answer the workers' memory reports (and everyone else with 'not yet') until every rank has
+    reported -> the device pools' block count; None if stopped first."""
+    sizing = PoolSizing(config.tp_size, config.gpu_memory_utilization, config.block_bytes,
+                        [_device_of(config, rank) for rank in range(config.tp_size)])
+    log.info("waiting for %d worker rank(s) to profile before sizing the device pools at "
+             "--gpu-memory-utilization %g", config.tp_size, config.gpu_memory_utilization)
+
+    def answer(frames: list) -> list:
+        try:
+            return protocol.encode(sizing.handle(protocol.decode(frames)))
+        except protocol.ProtocolError as e:
+            log.warning("rejected a malformed message: %s", e)
+            return protocol.encode(protocol.Error(str(e), code=400))
+
+    phase = threading.Event()
+    answer_requests(sock, answer, phase, log, POLL_MS,
+                    between=lambda: (sizing.done or stop.is_set()) and phase.set())
+    if stop.is_set():
+        return None
+    blocks = sizing.num_device_blocks()
+    log.info("device pools sized from free memory: %d blocks per rank (worker reserves %s bytes)",
+             blocks, [sizing.reserve[r] for r in range(config.tp_size)])
+    return blocks
 
 
 def _serve(sock: zmq.Socket, service: KVStoreService, stop: threading.Event) -> None:

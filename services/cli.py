@@ -13,7 +13,7 @@ import sys
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face folder (config.json + safetensors)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-device-blocks", type=int, default=None)
     p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host memory for swapped blocks")

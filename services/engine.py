@@ -9,7 +9,6 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import torch
 
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.store import BlockStore
@@ -17,7 +16,7 @@ from services.engine_config import ConfigError, EngineConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.sampling_params import SamplingParams
-from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model
+from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner
 from services.worker.worker_core import WorkerCore
 
@@ -69,7 +68,7 @@ class Engine:
         self.config = config.validate()
         _, spec = inspect_model_dir(config.model)   # fail on a bad folder before loading anything
         self.tokenizer = load_tokenizer(config.model)
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = serving_dtype(config.dtype, config.device, spec)
         self.model, self.spec = load_model(config.model, self.dtype, config.device)
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         block_bytes = spec.block_bytes(config.block_size, self.dtype)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.model_loader import DTYPES
+
 PREEMPTION_MODES = ("swap", "recompute", "auto")
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -15,10 +16,11 @@ class ConfigError(ValueError):
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "float32"                 # CPU runs float32 (bf16/fp16 matmuls are ~100x slower there)
+    dtype: str = "auto"                    # auto: float32 on CPU, the checkpoint's on CUDA (serving_dtype)
     block_size: int = 16
     num_device_blocks: int | None = None   # None: size from kv_cache_memory_gib
     kv_cache_memory_gib: float = 0.25
+    gpu_memory_utilization: float = 0.9    # the served stack on CUDA (kvstore/sizing.py); the offline engine uses kv_cache_memory_gib
     swap_space_gib: float = 0.25           # host pool for swapped-out blocks
     num_host_blocks: int | None = None     # None: size from swap_space_gib
     preemption_mode: str = "recompute"
@@ -40,6 +42,8 @@ class EngineConfig:
             raise ConfigError(f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
         if self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_gib < 0:
             raise ConfigError(f"--swap-space must be >= 0, got {self.swap_space_gib}")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -26,12 +26,14 @@ TINY_DIR = Path(".cache/tiny-llama")
 class Config:
     model: str = "tiny"
     device: str = "cpu"
+    dtype: str = "auto"                    # auto: float32 on CPU, the checkpoint's on CUDA
     host: str = "127.0.0.1"
     port: int = 8000
     routers: int = 1
     redis_url: str | None = None
-    num_device_blocks: int | None = None
+    num_device_blocks: int | None = None   # None: CUDA sizes by gpu_memory_utilization, CPU by kv_cache_memory_gib
     kv_cache_memory_gib: float = 0.25
+    gpu_memory_utilization: float = 0.9    # CUDA: this replica's share of each GPU (vLLM's meaning)
     block_size: int = 16
     swap_space_gib: float = 0.25
     preemption_mode: str = "recompute"
@@ -46,8 +48,9 @@ class Config:
 
     def validate(self) -> "Config":
         from services.engine_config import EngineConfig
-        EngineConfig(model=self.model, device=self.device, block_size=self.block_size,
+        EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
                      num_device_blocks=self.num_device_blocks, swap_space_gib=self.swap_space_gib,
+                     gpu_memory_utilization=self.gpu_memory_utilization,
                      preemption_mode=self.preemption_mode, max_num_seqs=self.max_num_seqs,
                      max_num_batched_tokens=self.max_num_batched_tokens).validate()
         if self.routers < 1:
@@ -74,12 +77,17 @@ class Config:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="a local model folder, or 'tiny' (built on first use)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=Config.dtype,
+                   help="auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16 or bfloat16")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--routers", type=int, default=1)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--num-device-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB for the device KV pool")
+    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="CPU: GiB for the device KV pool")
+    p.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization,
+                   help="CUDA: the fraction of each GPU the replica may use; the KV pool gets what the "
+                        "weights and a profiled largest step leave (unless --num-device-blocks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host memory for swapped blocks")
     p.add_argument("--preemption-mode", default="recompute")
@@ -93,9 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> Config:
-    return Config(model=args.model, device=args.device, host=args.host, port=args.port, routers=args.routers,
+    return Config(model=args.model, device=args.device, dtype=args.dtype, host=args.host, port=args.port, routers=args.routers,
                   redis_url=args.redis_url, num_device_blocks=args.num_device_blocks,
                   kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
                   tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
@@ -122,18 +131,22 @@ def _die_with_parent() -> None:
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
-    import torch
-    from services.worker.model_loader import inspect_model_dir
+    from services.worker.model_loader import inspect_model_dir, serving_dtype
 
     _, spec = inspect_model_dir(model)
-    dtype = torch.float32 if cfg.device == "cpu" else torch.float16
+    dtype = serving_dtype(cfg.dtype, cfg.device, spec)   # resolved once: kvstore and workers agree
     block_bytes = spec.block_bytes(cfg.block_size, dtype, cfg.tensor_parallel)
     gib = 1 << 30
-    device_blocks = cfg.num_device_blocks or int(cfg.kv_cache_memory_gib * gib) // block_bytes
+    if cfg.device == "cuda" and cfg.num_device_blocks is None:
+        # Sized by the kvstore once the workers have loaded and profiled (kvstore/sizing.py).
+        device_pool = ["--num-device-blocks", "0", "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    else:
+        device_blocks = cfg.num_device_blocks or int(cfg.kv_cache_memory_gib * gib) // block_bytes
+        device_pool = ["--num-device-blocks", str(device_blocks)]
     host_blocks = int(cfg.swap_space_gib * gib) // block_bytes
     kv, sched, worker = (f"ipc://{run_dir}/{n}.sock" for n in ("kvstore", "scheduler", "worker"))
     py = [sys.executable, "-m"]
-    procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, "--num-device-blocks", str(device_blocks),
+    procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, *device_pool,
                                "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
                                "--block-bytes", str(block_bytes), "--tp-size", str(cfg.tensor_parallel),
                                "--device", cfg.device]
@@ -145,6 +158,9 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
                                              "--endpoint", worker, "--kvstore-endpoint", kv,
                                              "--device", cfg.device, "--block-size", str(cfg.block_size),
+                                             "--dtype", str(dtype).removeprefix("torch."),
+                                             "--profile-tokens", str(cfg.max_num_batched_tokens),
+                                             "--profile-seqs", str(cfg.max_num_seqs),
                                              "--torch-threads", str(threads)]))
     procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,

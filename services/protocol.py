@@ -15,6 +15,7 @@ Sockets and who talks (tcp or ipc endpoints, all on loopback in tests):
   scheduler --ROUTER--> router             RequestUpdates (one per router per step), Error, StatsReply, Pong
   scheduler --DEALER--> kvstore ROUTER     ResetStore, ApplyOps, GetPoolInfo, GetStats, Ping -> Pong, ApplyOpsReply, PoolInfo, StatsReply, Pong
   scheduler --DEALER--> worker ROUTER      ExecuteStep, Ping -> StepResult, Pong (rank 0 answers for the group)
+  worker    --DEALER--> kvstore ROUTER     GetPoolInfo, ReportMemory -> PoolInfo (or a 503 while it sizes), Pong
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-VERSION = 3   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+VERSION = 4   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
 #             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
+#             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
 
 
 class ProtocolError(ValueError):
@@ -132,6 +134,14 @@ class GetPoolInfo:
 
 
 @dataclass
+class ReportMemory:
+    """A worker rank's profile, for a kvstore that sizes its pools from free GPU memory
+    (kvstore/sizing.py): the activation bytes its largest step needs beyond what stays allocated."""
+    rank: int
+    reserve_bytes: int
+
+
+@dataclass
 class PoolInfo:
     block_size: int
     block_bytes: int                     # per worker rank (each rank's pool holds its KV heads)
@@ -142,7 +152,8 @@ class PoolInfo:
     device: str = "cpu"
     enable_prefix_caching: bool = True   # the scheduler's mirror must run the same policy
     ipc_handles: list = field(default_factory=list)   # CUDA only: pickled IPC handles per rank
-    event_handles: list = field(default_factory=list) # CUDA only: the copy-done event per rank
+    event_handles: list = field(default_factory=list) # CUDA only: the copies_done event per rank
+    step_event_handles: list = field(default_factory=list)   # CUDA only: the step_done event per rank
 
 
 @dataclass
@@ -220,7 +231,7 @@ class StepResult:
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, RequestUpdates, GetStats, StatsReply,
-    GetPoolInfo, PoolInfo, ResetStore, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
+    GetPoolInfo, ReportMemory, PoolInfo, ResetStore, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
 _NESTED = {"outputs": CompletionDelta, "updates": RequestUpdate}
 _COLUMNS = {(ExecuteStep, "seqs"): SeqWork, (StepResult, "results"): SampleResult,   # sent as columns
             (RequestUpdates, "tokens"): TokenDelta}

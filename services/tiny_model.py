@@ -91,8 +91,13 @@ def tiny_config(arch: str, vocab_size: int, max_len: int, hidden_size: int = 128
 
 
 def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                     vocab_size: int = 2048, max_len: int = 1024, hidden_size: int = 128) -> Path:
-    """Write the folder; refuses a non-empty one so nothing of the user's is overwritten."""
+                     vocab_size: int = 2048, max_len: int = 1024, hidden_size: int = 128,
+                     overrides: dict | None = None, device: str = "cpu") -> Path:
+    """Write the folder; refuses a non-empty one so nothing of the user's is overwritten.
+
+    `overrides` set config fields after the tiny defaults (the GPU check builds a 1B-shaped Llama:
+    more layers, heads and MLP width); `device` is where the random weights are drawn (a GPU draws
+    a billion of them in a moment; the CPU takes tens of seconds)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -103,8 +108,11 @@ def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
         raise TinyModelError(f"{out} exists and is not an empty folder")
     tokenizer = train_tokenizer(vocab_size)
     config = tiny_config(arch, len(tokenizer), max_len, hidden_size)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

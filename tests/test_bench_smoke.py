@@ -101,8 +101,15 @@ def test_e2e_quick_prints_its_table(tiny_llama, capsys):
     assert "API, Poisson" in out and "API, all at once" in out and "stack / offline at saturation" in out
 
 
-def test_kernel_benchmark_quick_prints_every_cell(capsys):
+def test_kernel_benchmark_quick_prints_every_cell(capsys, tmp_path):
+    import json
     from kernels import benchmark
-    benchmark.main(["--repeats", "1"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
-    assert [(r[0], r[1]) for r in rows] == [(b, c) for b in ("8", "32") for c in ("64", "128", "256", "1024")]
+    benchmark.main(["--repeats", "1", "--json", str(tmp_path / "rows.json")])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["decode"], ["prefill"])]
+    cells = [("decode", b, c) for b in ("8", "32") for c in ("64", "128", "256", "1024")]
+    cells += [("prefill", str(b), str(c)) for b, c in benchmark.PREFILL_CASES["cpu"]]
+    assert [tuple(r[:3]) for r in rows] == cells
+    saved = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [(r["kind"], str(r["batch"]), str(r["context"])) for r in saved] == cells
+    assert all(r["max_abs_diff"] < 1e-3 for r in saved)   # the paged side computes the same attention

@@ -34,6 +34,26 @@ def test_services_present(compose):
     assert "devices" in str(compose["services"]["worker"]["deploy"]["resources"])
 
 
+def test_kvstore_and_worker_share_one_gpu_and_ipc(compose):
+    """The worker maps the kvstore's pool and events through CUDA IPC: same device, shared IPC."""
+    kv, worker = compose["services"]["kvstore"], compose["services"]["worker"]
+    for svc in (kv, worker):
+        assert svc["ipc"] == "host" and svc["pid"] == "host"
+    devices = [svc["deploy"]["resources"]["reservations"]["devices"] for svc in (kv, worker)]
+    assert devices[0] == devices[1] and "device_ids" in devices[0][0]
+
+
+def test_the_kvstores_block_bytes_fit_the_workers_dtype(compose, tiny_llama):
+    import torch
+    from services.worker.model_loader import inspect_model_dir
+    kv = [_substitute(str(a)) for a in compose["services"]["kvstore"]["command"]]
+    worker = [_substitute(str(a)) for a in compose["services"]["worker"]["command"]]
+    _, spec = inspect_model_dir(tiny_llama)   # the image's /models/tiny is built the same way
+    dtype = getattr(torch, worker[worker.index("--dtype") + 1])
+    block_size = int(worker[worker.index("--block-size") + 1])
+    assert int(kv[kv.index("--block-bytes") + 1]) == spec.block_bytes(block_size, dtype)
+
+
 @pytest.mark.parametrize("name", ["kvstore", "worker", "scheduler", "router"])
 def test_command_parses_with_real_cli(compose, name):
     argv = [_substitute(str(a)) for a in compose["services"][name]["command"]]

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     # Must precede the first import of kernels.triton_ops: @triton.jit reads it when decorating.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -229,6 +230,64 @@ def test_triton_decode_head_shapes(triton_ops, num_q_heads, num_kv_heads, head_d
     case = PagedCase(seq_lens=[40, 5], q_lens=[1, 1], block_size=16, num_q_heads=num_q_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32, seed=7)
     assert_close(case.paged("triton"), case.contiguous(), torch.float32)
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(128, 16), (256, 128)])
+def test_triton_kv_tiles_smaller_than_a_block(triton_ops, block_size, head_dim):
+    # The KV tile is chosen by head_dim alone: several tiles per cache block, a tile that ends
+    # inside a block, and (256, 128) which used to mean a 256-key tile that no GPU's shared
+    # memory holds.
+    assert triton_ops._kv_tile(head_dim) < block_size
+    case = PagedCase(seq_lens=[block_size + 37, 5], q_lens=[3, 1], block_size=block_size,
+                     num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32, seed=11,
+                     spare_blocks=1)
+    assert_close(case.paged("triton"), case.contiguous(), torch.float32)
+    decode = PagedCase(seq_lens=[block_size + 37, 70], q_lens=[1, 1], block_size=block_size,
+                       num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32, seed=12,
+                       spare_blocks=1)
+    assert_close(decode.paged("triton"), decode.contiguous(), torch.float32)
+
+
+def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypatch):
+    """Triton launches on the current device; the kvstore holds a pool per rank, so each launch
+    must run inside on_device(the tensor it writes). A fake guard and fake kernels check it."""
+    inside, launches = [], []
+
+    @contextlib.contextmanager
+    def guard(tensor):
+        inside.append(tensor)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, inside[-1] if inside else None))
+
+    monkeypatch.setattr(triton_ops, "on_device", guard)
+    for name in ("_write_kv_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
+                 "_copy_blocks_kernel"):
+        monkeypatch.setattr(triton_ops, name, Kernel(name))
+    case = PagedCase(seq_lens=[5, 9], q_lens=[5, 1], block_size=8, num_q_heads=2, num_kv_heads=2,
+                     head_dim=16, dtype=torch.float32)
+    key = torch.zeros(2, 2, 16)
+    triton_ops.write_kv_cache(key, key, case.k_cache, case.v_cache, torch.tensor([0, 1]))
+    out = triton_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                     case.seq_lens_t, case.query_start_loc, case.scale, 5)
+    triton_ops.paged_decode_attention(case.q[:2], case.k_cache, case.v_cache, case.block_tables,
+                                      case.seq_lens_t, case.scale)
+    triton_ops.copy_blocks(case.pool, torch.tensor([0]), torch.tensor([1]))
+    assert [name for name, _ in launches] == ["_write_kv_kernel", "_paged_attention_kernel",
+                                              "_paged_decode_kernel", "_copy_blocks_kernel"]
+    written = [case.k_cache, out, None, case.pool]   # the decode output is made inside the call
+    for (name, tensor), expected in zip(launches, written):
+        assert tensor is not None, f"{name} launched outside any device guard"
+        if expected is not None:
+            assert tensor is expected, f"{name} launched under another tensor's device"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -110,3 +110,51 @@ def test_copy_within_and_between(pool):
         host.close()
         host.unlink()
 
+
+
+def test_swap_copies_go_as_runs_of_consecutive_blocks():
+    from kvstore.pool import _runs
+    assert _runs([(3, 7), (4, 8), (5, 9), (9, 1), (6, 10), (10, 2)]) == [(3, 7, 3), (9, 1, 1), (6, 10, 1),
+                                                                        (10, 2, 1)]
+    assert _runs([(0, 0)]) == [(0, 0, 1)]
+
+
+def test_pinning_registers_the_whole_segment_portably_and_close_unregisters(monkeypatch):
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    p = BlockPool.create(unique_pool_name("pin"), num_blocks=4, block_bytes=16)
+    try:
+        ptr = p.blocks.data_ptr()
+        p.pin()
+        p.pin()   # once only
+        assert calls == [("register", ptr, 64, 1)]   # 1 = cudaHostRegisterPortable: every device
+        p.close()
+        assert calls[-1] == ("unregister", ptr)
+    finally:
+        p.close()
+        p.unlink()
+
+
+def test_a_failed_pin_says_which_pool(monkeypatch):
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 2   # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    p = BlockPool.create(unique_pool_name("pin"), num_blocks=4, block_bytes=16)
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot pin host pool {p.name}.*cudaError 2"):
+            p.pin()
+    finally:
+        p.close()
+        p.unlink()

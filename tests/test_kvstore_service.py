@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def start(endpoint: str, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "kvstore.service", "--endpoint", endpoint,
             "--num-device-blocks", str(DEVICE_BLOCKS), "--num-host-blocks", str(HOST_BLOCKS),
             "--block-size", str(B), "--block-bytes", str(BLOCK_BYTES), "--tp-size", str(TP), *extra]
-    return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    # The caller's PYTHONPATH stays after the repository: `make gpu-check` brings packages in it.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -252,3 +255,54 @@ def test_bad_flags_exit_nonzero_naming_the_flag(capsys):
            "kvstore: --block-bytes must be positive (bytes of one block on one worker rank)"
     assert service.main(["--block-bytes", "8", "--device", "tpu"]) == 2
     assert "--device" in capsys.readouterr().err
+
+
+def test_every_pool_is_warmed_up_before_the_first_answer(monkeypatch):
+    """The copy kernel's first compile must not happen inside the loop, under the scheduler's 5 s
+    peer timeout: run() warms every device pool up before it answers anyone."""
+    from kvstore import pool as pool_module
+    warmed, release = [], threading.Event()
+
+    def slow_warm_up(pool):
+        warmed.append(pool.name)
+        release.wait(30)
+        pool_module.warm_up(pool)
+
+    monkeypatch.setattr(service, "warm_up", slow_warm_up)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = service.Config(num_device_blocks=4, block_bytes=BLOCK_BYTES, block_size=B, tp_size=2,
+                            endpoint=endpoint, log_level="WARNING")
+    stop_event = threading.Event()
+    thread = threading.Thread(target=service.run, args=(config, stop_event))
+    thread.start()
+    client = KVStoreClient(endpoint, timeout_s=5)
+    try:
+        with pytest.raises(PeerTimeout):
+            client.ping(timeout_s=1.0)           # bound, but warming up: no answer yet
+        assert len(warmed) == 1
+        release.set()
+        assert client.ping(timeout_s=10).ready
+        assert len(warmed) == 2                  # one per rank's device pool
+    finally:
+        release.set()
+        stop_event.set()
+        thread.join(30)
+        client.close()
+
+
+def test_warm_up_copies_scratch_rows_of_the_pools_size_and_leaves_the_pool_alone(monkeypatch):
+    from kvstore import pool as pool_module
+    seen = []
+    real = pool_module.copy_blocks
+    monkeypatch.setattr(pool_module, "copy_blocks",
+                        lambda blocks, src, dst: seen.append((blocks.shape, blocks.device)) or real(blocks, src, dst))
+    p = pool_module.BlockPool.create(pool_module.unique_pool_name("warm"), 3, 40)
+    try:
+        p.blocks.copy_(torch.arange(120, dtype=torch.uint8).view(3, 40))
+        before = p.blocks.clone()
+        pool_module.warm_up(p)
+        assert seen == [((2, 40), p.blocks.device)]
+        assert torch.equal(p.blocks, before)
+    finally:
+        p.close()
+        p.unlink()

@@ -159,7 +159,11 @@ class SchedulerService:
         while True:
             try:
                 return call()
-            except PeerTimeout:
+            except (PeerTimeout, KVStoreError) as e:
+                if isinstance(e, KVStoreError):
+                    if e.code != 503:   # 503: a kvstore still sizing its pools (kvstore/sizing.py)
+                        raise
+                    time.sleep(0.5)
                 if time.monotonic() > deadline:
                     raise SystemExit(f"scheduler: the {name} at {endpoint} did not answer "
                                      f"within {self.config.startup_timeout_s:.0f} s")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.limits import check_attention_shape
 from services.worker.models import MODEL_REGISTRY
 from services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, read_shard
 
@@ -31,6 +32,7 @@ class ModelSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     num_attention_heads: int = 0         # query heads; 0: as many as KV heads (no GQA)
+    checkpoint_dtype: str = ""           # config.json's dtype / torch_dtype ("" when it names none)
 
     def kv_heads_per_rank(self, tp_size: int = 1) -> int:
         """KV heads in one tensor-parallel rank's pool; TPConfigError if the heads do not split."""
@@ -44,6 +46,30 @@ class ModelSpec:
         (see docs/INTERFACES.md). Every rank's block has the same size."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.num_layers * 2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim * itemsize
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def serving_dtype(requested: str, device: str, spec: ModelSpec) -> torch.dtype:
+    """The dtype weights and KV blocks are served in; every process that sizes or views the pool
+    (launcher, kvstore flags, worker, offline engine) asks this one function.
+
+    "auto": on CUDA the checkpoint's own dtype (float16 when config.json names none, or names one
+    the kernels do not serve); on CPU float32, since half-precision matmuls are ~100x slower there."""
+    if requested not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    if requested != "auto":
+        return getattr(torch, requested)
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return getattr(torch, spec.checkpoint_dtype) if spec.checkpoint_dtype in DTYPES[1:] else torch.float16
+
+
+def _checkpoint_dtype(raw: dict) -> str:
+    # transformers >= 4.56 writes "dtype"; older checkpoints say "torch_dtype".
+    value = raw.get("dtype") or raw.get("torch_dtype") or ""
+    return str(value).removeprefix("torch.")
 
 
 def _eos_ids(path: Path, cfg) -> tuple[int, ...]:
@@ -99,7 +125,12 @@ def inspect_model_dir(model_dir: str | Path):
         path=str(path), architecture=supported[0], num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
         vocab_size=cfg.vocab_size, max_model_len=max_len, eos_token_ids=_eos_ids(path, cfg),
-        num_attention_heads=num_heads)
+        num_attention_heads=num_heads, checkpoint_dtype=_checkpoint_dtype(raw))
+    try:
+        # Here, on every device: a model the CPU path serves must not fail on its first CUDA step.
+        check_attention_shape(spec.head_dim, num_heads, spec.num_kv_heads)
+    except ValueError as e:
+        raise ModelLoadError(f"{path} cannot be served by the paged-attention kernels: {e}") from None
     return cfg, spec
 
 

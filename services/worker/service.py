@@ -16,8 +16,11 @@ timeout, and notice a dead rank 0 (the broadcast raises): no orphans. On SIGTERM
 tells them to stop. With tp_size == 1 nothing distributed is set up at all.
 
 Start-up order: bind (rank 0), ask the kvstore for PoolInfo (an unreachable kvstore fails in
-seconds, before the slow model load), join the group (tp_size > 1), load this rank's shard, map
-this rank's pool, serve.
+seconds, before the slow model load), join the group (tp_size > 1), load this rank's shard, run
+the profile pass (services/worker/profile.py: every kernel compiles before the worker says ready),
+map this rank's pool, serve. A kvstore that sizes its pools from free GPU memory answers the first
+GetPoolInfo with "not yet" (kvstore/sizing.py): then the worker reports its profile's reserve
+(ReportMemory) and asks again until the pools exist.
 """
 from __future__ import annotations
 
@@ -35,12 +38,14 @@ import torch.distributed as dist
 import zmq
 
 from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
-from kvstore.cuda_sync import open_event
+from kvstore.cuda_sync import NoSync, StepSync
+from kvstore.sizing import WAITING
 from kvstore.pool import BlockPool
 from services import protocol
 from services.process import answer_requests, on_stop_signals, service_main
-from services.worker.model_loader import ModelLoadError, load_model
+from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
+from services.worker.profile import warm_up_and_profile
 from services.worker.step_inputs import StepError, StepInputs
 from services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
                                 close_tensor_parallel, init_tensor_parallel)
@@ -50,7 +55,6 @@ log = logging.getLogger("pagedserve.worker")
 
 POLL_MS = 100        # how long rank 0 blocks waiting for a message: also the latency of a stop signal
 HEARTBEAT_S = 1.0    # rank 0 -> others when idle; must stay well under Config.dist_timeout_s
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class StartupError(RuntimeError):
@@ -72,8 +76,10 @@ class Config:
     kvstore_endpoint: str = "tcp://127.0.0.1:5601"
     kvstore_timeout_s: float = 10.0
     device: str = "cpu"                          # cpu, cuda (= cuda:<rank>) or cuda:N
-    dtype: str = "auto"                          # auto: float32 on CPU, float16 on CUDA
+    dtype: str = "auto"                          # auto: float32 on CPU, the checkpoint's on CUDA (serving_dtype)
     block_size: int = 16                         # must equal the kvstore's
+    profile_tokens: int = 2048                   # the start-up pass: the scheduler's largest step
+    profile_seqs: int = 256                      # (--max-num-batched-tokens, --max-num-seqs)
     torch_threads: int = 0                       # 0: torch's default
     seed: int = 0
     log_level: str = "INFO"
@@ -101,6 +107,9 @@ class Config:
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"--block-size must be a power of two, got {bs}")
+        if self.profile_tokens < 1 or self.profile_seqs < 1:
+            raise ValueError(f"--profile-tokens and --profile-seqs must be at least 1, got "
+                             f"{self.profile_tokens} and {self.profile_seqs}")
         if self.torch_threads < 0:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
@@ -111,11 +120,6 @@ class Config:
     def torch_device(self) -> str:
         return f"cuda:{self.rank}" if self.device == "cuda" else self.device
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.float16
-        return getattr(torch, self.dtype)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,6 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=Config.device, help="cpu, cuda (one GPU per rank) or cuda:N")
     p.add_argument("--dtype", default=Config.dtype, choices=DTYPES)
     p.add_argument("--block-size", type=int, default=Config.block_size)
+    p.add_argument("--profile-tokens", type=int, default=Config.profile_tokens,
+                   help="tokens of the start-up profiling step (the scheduler's --max-num-batched-tokens)")
+    p.add_argument("--profile-seqs", type=int, default=Config.profile_seqs,
+                   help="sequences of the start-up profiling step (the scheduler's --max-num-seqs)")
     p.add_argument("--torch-threads", type=int, default=Config.torch_threads)
     p.add_argument("--seed", type=int, default=Config.seed, help="for unseeded sampling")
     p.add_argument("--log-level", default=Config.log_level)
@@ -140,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   dist_timeout_s=args.dist_timeout, endpoint=args.endpoint,
                   kvstore_endpoint=args.kvstore_endpoint, kvstore_timeout_s=args.kvstore_timeout,
                   device=args.device, dtype=args.dtype, block_size=args.block_size,
+                  profile_tokens=args.profile_tokens, profile_seqs=args.profile_seqs,
                   torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level)
 
 
@@ -149,9 +158,9 @@ class WorkerService:
     """One rank's model, pool mapping and step state; rank 0 also has the sampler (WorkerCore)."""
 
     def __init__(self, runner: ModelRunner, core: WorkerCore | None, pool: BlockPool,
-                 tp: TensorParallel = SINGLE, copies_done=None):
+                 tp: TensorParallel = SINGLE, sync=None):
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
-        self.copies_done = copies_done   # CUDA: the kvstore's interprocess event (kvstore/cuda_sync.py)
+        self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
         self.inputs = StepInputs()
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
@@ -182,12 +191,11 @@ class WorkerService:
         prompt_logprobs: dict = {}
         error = None
         try:
-            self.inputs.apply_deltas(msg)
-            steps, samples = self.inputs.build(msg)
-            if steps:
-                if self.copies_done is not None:   # the step's COW/swap copies ran on the kvstore's stream
-                    torch.cuda.current_stream().wait_event(self.copies_done)
-                results = self._execute(steps, samples, prompt_logprobs)
+            with self.sync.step():   # every step, on every rank, sampled or not (the ordering contract)
+                self.inputs.apply_deltas(msg)
+                steps, samples = self.inputs.build(msg)
+                if steps:
+                    results = self._execute(steps, samples, prompt_logprobs)
         except StepError as e:
             log.warning("step %d rejected: %s", msg.step, e)
             error = str(e)
@@ -236,17 +244,49 @@ class WorkerService:
 
 # ---- start-up ----------------------------------------------------------------------------------
 
-def fetch_pool_info(config: Config) -> protocol.PoolInfo:
+POOL_WAIT_S = 300.0   # for a kvstore that sizes its pools: every rank loads and profiles first
+
+
+def fetch_pool_info(config: Config) -> protocol.PoolInfo | None:
+    """The kvstore's PoolInfo, or None when it waits for memory reports before making its pools."""
     client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
     try:
-        info = client.pool_info()
+        return check_pool_info(client.pool_info(), config)
     except PeerTimeout:
         raise StartupError(f"no answer from the kvstore at {config.kvstore_endpoint} within "
                            f"{config.kvstore_timeout_s:g} s (is it running?)") from None
     except KVStoreError as e:
+        if e.code == 503 and e.param == WAITING:
+            return None
         raise StartupError(f"the kvstore at {config.kvstore_endpoint} refused GetPoolInfo: {e}") from None
     finally:
         client.close()
+
+
+def report_and_wait(config: Config, reserve_bytes: int, wait_s: float = POOL_WAIT_S) -> protocol.PoolInfo:
+    """Send this rank's profile, then ask for PoolInfo until the kvstore has made the pools (it
+    waits for every rank, then allocates and warms up: silent for a few seconds)."""
+    client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
+    deadline = time.monotonic() + wait_s
+    try:
+        client.report_memory(config.rank, reserve_bytes)
+        while True:
+            try:
+                return check_pool_info(client.pool_info(), config)
+            except (PeerTimeout, KVStoreError) as e:
+                if isinstance(e, KVStoreError) and e.code != 503:
+                    raise StartupError(f"the kvstore at {config.kvstore_endpoint} refused GetPoolInfo: {e}") from None
+                if time.monotonic() > deadline:
+                    raise StartupError(f"the kvstore at {config.kvstore_endpoint} made no pools within "
+                                       f"{wait_s:g} s of this rank's memory report: {e}") from None
+                time.sleep(0.5)
+    except (PeerTimeout, KVStoreError) as e:   # the report itself
+        raise StartupError(f"the kvstore at {config.kvstore_endpoint} did not take the memory report: {e}") from None
+    finally:
+        client.close()
+
+
+def check_pool_info(info: protocol.PoolInfo, config: Config) -> protocol.PoolInfo:
     if len(info.device_pool_names) != config.tp_size:
         raise StartupError(f"the kvstore has pools for {len(info.device_pool_names)} rank(s), this worker "
                            f"group has --tp-size {config.tp_size}")
@@ -258,12 +298,13 @@ def fetch_pool_info(config: Config) -> protocol.PoolInfo:
 
 def attach_device_pool(info: protocol.PoolInfo, rank: int) -> BlockPool:
     """Map this rank's device pool (the kvstore's; never unlinked here)."""
-    # CPU: shared memory by name; CUDA (UNTESTED here): the kvstore's IPC handle.
+    # CPU: shared memory by name; CUDA (run by `make gpu-check`): the kvstore's IPC handle.
     return attach_pools(info, "device", ranks=[rank])[0]
 
 
 def start_worker(config: Config) -> WorkerService:
-    """PoolInfo, then the group (tp_size > 1), then this rank's shard and pool -> a ready service."""
+    """PoolInfo (or "not yet"), then the group (tp_size > 1), then this rank's shard, its profile,
+    and its pool -> a ready service."""
     info = fetch_pool_info(config)
     device = config.torch_device
     if device.startswith("cuda"):
@@ -281,13 +322,23 @@ def start_worker(config: Config) -> WorkerService:
         raise
 
 
-def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) -> WorkerService:
-    dtype, device = config.torch_dtype, config.torch_device
+def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorParallel) -> WorkerService:
+    device = config.torch_device
     try:
+        dtype = serving_dtype(config.dtype, device, inspect_model_dir(config.model)[1])
         model, spec = load_model(config.model, dtype, device, tp)
         want = spec.block_bytes(config.block_size, dtype, config.tp_size)
     except (ModelLoadError, TPConfigError) as e:
         raise StartupError(str(e)) from None
+    tokens, seqs = config.profile_tokens, config.profile_seqs
+    if torch.device(device).type == "cpu":
+        # Nothing compiles (the reference kernels) and nothing is measured on CPU, where the full
+        # batch costs seconds per start: a small one still proves the model runs before "ready".
+        tokens, seqs = min(tokens, 32), min(seqs, 2)
+    reserve = warm_up_and_profile(model, spec, dtype, device, config.block_size, config.tp_size,
+                                  tokens, seqs, samples=config.rank == 0)
+    if info is None:   # the kvstore sizes its pools after every rank's profile
+        info = report_and_wait(config, reserve)
     if want != info.block_bytes:
         raise StartupError(f"the kvstore's blocks are {info.block_bytes} bytes; this model needs {want} "
                            f"per rank (block size {config.block_size}, {dtype}, tp_size {config.tp_size})")
@@ -295,10 +346,26 @@ def _build_service(config: Config, info: protocol.PoolInfo, tp: TensorParallel) 
         pool = attach_device_pool(info, config.rank)
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot map device pool {info.device_pool_names[config.rank]}: {e}") from None
+    if pool.blocks.device != torch.device(device):
+        where = pool.blocks.device
+        pool.close()
+        # Device numbers are per process (CUDA_VISIBLE_DEVICES): the two must name the same GPU.
+        raise StartupError(f"the kvstore's pool for rank {config.rank} is on {where}, this worker runs on "
+                           f"{device}: give the kvstore and the worker the same GPU")
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
     core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
-    event = open_event(info.event_handles[config.rank], device) if info.event_handles else None
-    return WorkerService(runner, core, pool, tp, event)
+    return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
+
+
+def step_sync(info: protocol.PoolInfo, rank: int, device: str, tp: TensorParallel):
+    """This rank's half of the ordering contract (kvstore/cuda_sync.py): StepSync on CUDA pools."""
+    if not info.event_handles:
+        return NoSync()
+    barrier = None
+    if tp.size > 1:
+        def barrier() -> None:
+            dist.barrier(group=tp.control_group)
+    return StepSync(info.event_handles[rank], info.step_event_handles[rank], device, barrier)
 
 
 # ---- the process -------------------------------------------------------------------------------
