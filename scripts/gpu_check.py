@@ -150,7 +150,7 @@ def main() -> int:
     env.pop("TRITON_INTERPRET", None)
     # Every package the sections import, as they will import them (a wheel that needs a newer
     # dependency than the machine has shows here, not as a puzzle inside a section).
-    probe = subprocess.run([sys.executable, "-c", "import zmq, msgpack, fastapi, uvicorn, redis, httpx, "
+    probe = subprocess.run([sys.executable, "-c", "import zmq, msgpack, fastapi, uvicorn, redis, httpx, aiohttp, tqdm, "
                             "prometheus_client, transformers, tokenizers, safetensors, pytest, triton"],
                            cwd=REPO, env=env, capture_output=True, text=True)
     rows = [{"section": "setup", "check": "CUDA device and packages", "ok": probe.returncode == 0,
