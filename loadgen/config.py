@@ -65,8 +65,9 @@ class ReplayConfig:
                              check=lambda v: 0 <= v < 1 or "must lie in [0, 1)")
     max_model_len: int | None = opt(None, "fit lengths to this context (default: max_model_len from /v1/models)",
                                     check=_at_least(2))
-    fit: str = opt("scale", "scale: shrink every length so the p99 request fits, cap the rest; "
-                            "filter: drop requests that do not fit", choices=FIT_MODES)
+    fit: str = opt("scale", "scale: shrink every length so the p99 request fits, cap the rest (a trace "
+                            "block stays at least one KV block); filter: drop requests that do not fit",
+                   choices=FIT_MODES)
     num_requests: int | None = opt(None, "requests to send (default: 1000 for a drawn workload, "
                                          "the whole file for a trace)", check=_at_least(1))
     duration: float | None = opt(None, "send only requests that arrive within this many seconds", check=_positive)
