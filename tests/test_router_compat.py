@@ -46,13 +46,17 @@ def test_max_tokens_past_the_context_is_shortened_to_the_room_left(client, fake,
         assert last_add(fake).params["max_tokens"] == sent
     assert r.json()["choices"][0]["finish_reason"] == "length"
     # Chat: without max_tokens, and with more than fits.
-    for extra in ({}, {"max_tokens": 10 ** 6}, {"max_completion_tokens": 5000}):
+    for extra in ({}, {"max_tokens": limit}, {"max_completion_tokens": limit - 1}):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 300}], **extra})
         assert r.status_code == 200, r.text
         assert last_add(fake).params["max_tokens"] == limit - len(last_add(fake).prompt_token_ids)
-    # A prompt that alone fills the context is still a 400.
+    # A prompt that alone fills the context is still a 400, and (as vLLM) a max_tokens past the
+    # whole context.
     assert_error(client.post("/v1/completions", json={"prompt": [5] * limit}), 400, "prompt")
     assert_error(client.post("/v1/completions", json={"prompt": [[5], [5] * limit]}), 400, "prompt")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": limit + 1}), 400, "max_tokens")
+    assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10 ** 6}), 400,
+                 "max_tokens")
 
 
 # ---- 3: null means the default -------------------------------------------------------------------
@@ -195,6 +199,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [5000]}, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [2048]}, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": ["x", ""]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "add_special_tokens": False, "max_tokens": 0}, "max_tokens"),
@@ -251,13 +256,24 @@ def test_version_ping_and_cors(client):
     from services.router.app import server_version
     assert client.get("/version").json() == {"version": server_version()} and server_version() != "unknown"
     assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
+    # vLLM's defaults: every method and header, but no origin (cross-origin browser access is off).
     r = client.options("/v1/completions", headers={"Origin": "http://example.com",
                                                    "Access-Control-Request-Method": "POST",
                                                    "Access-Control-Request-Headers": "content-type,authorization"})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     assert "POST" in r.headers["access-control-allow-methods"]
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://a.b"})
-    assert r.headers["access-control-allow-origin"] == "*" and "access-control-allow-credentials" not in r.headers
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_allows_what_the_flags_allow(info, fake):
+    cfg = Config(model=info.path, scheduler_endpoint=fake.endpoint, allowed_origins=["*"])
+    with RouterServer(create_app(cfg, info, MemoryState())) as srv, httpx.Client(base_url=srv.url) as c:
+        r = c.options("/v1/completions", headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+                                                  "Access-Control-Request-Headers": "content-type,authorization"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://a.b"})
+        assert r.headers["access-control-allow-origin"] == "*" and "access-control-allow-credentials" not in r.headers
 
 
 def test_cors_flags_reach_the_router_through_pagedserve_up(info, fake, tmp_path):
@@ -303,7 +319,10 @@ def test_return_token_ids(client, fake, info, script):
     assert "token_ids" not in client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).json()["choices"][0]
     chunks, _ = stream_events(client, "/v1/completions", {"prompt": "a", "max_tokens": 4, "return_token_ids": True})
     assert chunks[0]["choices"][0]["prompt_token_ids"] == info.tokenizer("a")["input_ids"]
+    assert not any("prompt_token_ids" in c["choices"][0] for c in chunks[1:]), "the first chunk has them"
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == script[:4]
+    lp = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "echo": True, "logprobs": 1}).json()
+    assert lp["choices"][0]["prompt_logprobs"][0] is None, "as vLLM: echo with logprobs gives prompt_logprobs"
     r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "return_token_ids": True})
     assert r.json()["prompt_token_ids"] == last_add(fake).prompt_token_ids
     assert r.json()["choices"][0]["token_ids"] == script[:3]

@@ -116,13 +116,17 @@ class RouterContext:
         """max_tokens as sent to the engine: what was asked (None: the rest of the context),
         shortened to the room the shortest prompt leaves, as vLLM does. The scheduler ends each
         sequence at the context's end ("length"), so every prompt gets min(asked, its own room).
-        Only a prompt that does not fit by itself is a 400."""
+        A prompt that does not fit by itself is a 400, and so (as in vLLM) is a max_tokens that
+        could not fit even after an empty prompt."""
         limit = self.info.max_model_len
         longest = max(prompt_lens)
         if longest >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
                               f"{prompt_param} has {longest} tokens, leaving no room for a completion.",
                               prompt_param)
+        if asked is not None and asked > limit:
+            raise bad_request(f"max_tokens={asked} cannot be greater than the model's maximum context "
+                              f"length of {limit} tokens", "max_tokens")
         room = limit - min(prompt_lens)
         return room if asked is None else min(asked, room)
 

@@ -131,7 +131,8 @@ class ChatFormatter:
             if ev.says_nothing(self.top is not None or self.token_ids):
                 continue
             out.append({**self._base(), "choices": [{
-                "index": ev.index, "delta": {"content": ev.text} if ev.text else {},
+                # content even when empty (a token that ends the choice unseen), as vLLM sends it
+                "index": ev.index, "delta": {"content": ev.text},
                 "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason,
                 "stop_reason": ev.stop_reason,
                 **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})

@@ -30,7 +30,8 @@ async def create_completion(ctx: "RouterContext", request):
     if req.stream and req.echo and req.logprobs is not None and len(prompts) > 1:
         # Each prompt's echo chunk would wait for that prompt's first update; one at a time.
         raise bad_request("echo with logprobs streams one prompt at a time", "echo")
-    # Echo with logprobs shows the prompt's logprobs too (as vLLM: prompt_logprobs = logprobs).
+    # Echo with logprobs shows the prompt's logprobs too, in the logprobs and (as vLLM) as
+    # prompt_logprobs: vLLM sets prompt_logprobs = logprobs.
     params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.info.vocab_size,
                                 max_stop_strings=ctx.config.max_stop_strings,
                                 prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None)
@@ -42,7 +43,7 @@ async def create_completion(ctx: "RouterContext", request):
     echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \
         if req.echo else None
     fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo,
-                              req.prompt_logprobs, req.return_token_ids)
+                              params.prompt_logprobs, req.return_token_ids)
     return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
 
 
@@ -81,8 +82,9 @@ class CompletionFormatter:
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
         self.logprobs = logprobs
         self.echo = echo
-        self.prompt_logprobs = prompt_logprobs     # vLLM's field, asked for by name
+        self.prompt_logprobs = prompt_logprobs     # vLLM's field
         self.token_ids = token_ids                 # return_token_ids
+        self.prompt_ids_sent: set[int] = set()     # streamed choices whose first chunk has gone
         self.created = int(time.time())
         # Echo with logprobs: offsets run on through the prompt's tokens into the completion's (as
         # vLLM counts them: each token's text, special tokens included), so they never go back.
@@ -135,16 +137,20 @@ class CompletionFormatter:
     def _prompt_of(self, index: int) -> int:
         return index // self.gen.params.n
 
+    def _prompt_ids(self, index: int) -> dict:
+        """return_token_ids in a stream: the choice's first chunk carries its prompt's ids (as vLLM)."""
+        if not self.token_ids or index in self.prompt_ids_sent:
+            return {}
+        self.prompt_ids_sent.add(index)
+        return {"prompt_token_ids": list(self.gen.prompts[self._prompt_of(index)])}
+
     def start_chunks(self) -> list[dict]:
-        out = []
-        for c in self.gen.all_choices:
-            p = self._prompt_of(c.index)
-            if self.echo or self.token_ids:
-                out.append({**self._base(), "choices": [{
-                    "index": c.index, "text": self.echo[p] if self.echo else "",
-                    "logprobs": self._echo_logprobs(p) if self.echo else None, "finish_reason": None,
-                    **({"prompt_token_ids": list(self.gen.prompts[p]), "token_ids": []} if self.token_ids else {})}]})
-        return out
+        if not self.echo:
+            return []
+        return [{**self._base(), "choices": [{"index": c.index, "text": self.echo[self._prompt_of(c.index)],
+                                              "logprobs": self._echo_logprobs(self._prompt_of(c.index)),
+                                              "finish_reason": None, **self._prompt_ids(c.index)}]}
+                for c in self.gen.all_choices]
 
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
@@ -154,7 +160,7 @@ class CompletionFormatter:
             p = self._prompt_of(ev.index)
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs, self.offsets[p]),
-                "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason,
+                "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason, **self._prompt_ids(ev.index),
                 **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
         return out
 

@@ -251,7 +251,7 @@ def check_no_tools(req: ChatCompletionRequest) -> None:
         if choice != "none":
             raise bad_request('tool calling is not supported; send tools only with tool_choice "none"',
                               "tool_choice")
-    elif choice not in (None, "none", "auto"):
+    elif choice not in (None, "none"):     # as vLLM: "auto" without tools is a 400 too
         raise bad_request(f"tool_choice {choice!r} needs tools, and this server does no tool calling",
                           "tool_choice")
 

@@ -46,8 +46,9 @@ class Config:
     stats_timeout_s: float = 1.0
     log_level: str = "INFO"
     max_stop_strings: int = 4                           # OpenAI's limit
-    # CORS, with vLLM's flags and defaults (JSON lists on the command line).
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    # CORS, with vLLM's flags and defaults (JSON lists on the command line): no cross-origin
+    # browser access unless origins are named.
+    allowed_origins: list[str] = field(default_factory=list)
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
@@ -97,8 +98,9 @@ CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 def add_cors_arguments(p: argparse.ArgumentParser) -> None:
     """vLLM's CORS flags; `pagedserve up` takes the same and passes them to its routers."""
     for name in CORS_LISTS:
+        default = json.dumps(Config.__dataclass_fields__[name].default_factory())
         p.add_argument(f"--{name.replace('_', '-')}", type=json.loads, default=None,
-                       help='a JSON list (default ["*"])')
+                       help=f"a JSON list (default {default})")
     p.add_argument("--allow-credentials", action="store_true")
 
 
