@@ -8,8 +8,8 @@ stack (`python -m loadgen.differential record`), and read back from that file fr
 
 Bodies may hold placeholders that depend on the server, filled in just before sending
 (loadgen.differential.materialize): the string "$MODEL" (the served model's name), and
-{"$tokens": "L-4"}, a prompt of that many token ids (L is the server's max_model_len), so the same
-file runs against any model. `deliberate` names the README's deliberate difference a peer may show
+{"$tokens": "L-4"}, a prompt of that many token ids (L is the server's max_model_len), and
+{"$int": "L"}, so the same file runs against any model. `deliberate` names the README's deliberate difference a peer may show
 on that case.
 """
 from __future__ import annotations
@@ -30,10 +30,25 @@ MESSAGES = [
 
 # Deliberate differences (the README lists them); a case marked with one may differ on a peer.
 STRICT_TYPES = "strict types: a string, float or boolean where a number or boolean is declared is a 400"
-N_NULL = "n: null is the default (vLLM refuses it)"
+NULL_DEFAULT = "null is the default in every optional field, n and vLLM's own extensions too (vLLM refuses it there)"
 N_GREEDY = "n > 1 at temperature 0 is allowed (vLLM refuses it)"
-OUR_ENDPOINT = "an endpoint vLLM does not serve"
 NOT_SERVED = "structured output and tool calling are refused with a 400, not served"
+BEST_OF = "best_of is served: below n it is a 400 (OpenAI's rule), and it cannot be streamed; vLLM ignores it"
+LOGIT_BIAS_RANGE = "logit_bias values must be in OpenAI's [-100, 100]; vLLM takes any"
+EMPTY_PROMPT = "an empty prompt is a 400 in a batch too; vLLM refuses it alone only"
+ROLES = "message roles are OpenAI's five; vLLM hands any role to the chat template"
+OPENAI_ERRORS = ("every error is OpenAI-shaped, routing and body-parsing ones too; vLLM sends FastAPI's "
+                 "{\"detail\": ...} for unknown routes, wrong methods and bodies nested too deep")
+MODELS = "/v1/models entries have no legacy permission list"
+HEALTH = "/health and /ping answer {\"status\": \"ok\"}; vLLM an empty body"
+SCORE = "echo with max_tokens 0 counts 0 completion tokens; vLLM counts the one token it made"
+CHAT_ECHO = "chat echo computes no prompt_logprobs unasked; vLLM returns them"
+ECHO_STREAM_IDS = "a streamed echo has prompt_token_ids only with return_token_ids; vLLM's always has them"
+REQUEST_ID = "a malformed X-Request-Id is a 400; vLLM ignores the header"
+# vLLM's own fields whose null vLLM refuses (its schema does not declare them nullable).
+VLLM_REFUSES_NULL = {"n", "add_special_tokens", "ignore_eos", "include_stop_str_in_output", "length_penalty",
+                     "min_tokens", "skip_special_tokens", "use_beam_search", "add_generation_prompt",
+                     "continue_final_message", "echo"}
 
 
 def _case(cid: str, path: str, body=None, *, method: str = "POST", raw: str | None = None, headers=None,
@@ -83,7 +98,8 @@ def completion_cases() -> list[dict]:
         body = _cmpl(prompt=prompt, **{"temperature": 0, **fields})
         out.append(_case(f"cmpl-{name}-p{p}", "/v1/completions", body))
         if name not in ("beam", "prompt-logprobs") and p < 2:
-            out.append(_case(f"cmpl-{name}-p{p}-stream", "/v1/completions", {**body, "stream": True}))
+            out.append(_case(f"cmpl-{name}-p{p}-stream", "/v1/completions", {**body, "stream": True},
+                             deliberate=ECHO_STREAM_IDS if body.get("echo") else None))
     streams = [
         ("usage", {"stream_options": {"include_usage": True}}),
         ("continuous", {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
@@ -93,7 +109,8 @@ def completion_cases() -> list[dict]:
     ]
     for name, fields in streams:
         out.append(_case(f"cmpl-stream-{name}", "/v1/completions",
-                         _cmpl(prompt=PROMPTS[4], temperature=0, max_tokens=6, stream=True, **fields)))
+                         _cmpl(prompt=PROMPTS[4], temperature=0, max_tokens=6, stream=True, **fields),
+                         deliberate=ECHO_STREAM_IDS if fields.get("echo") else None))
     out += [
         _case("cmpl-token-prompt", "/v1/completions", _cmpl(prompt=[1, 322, 287, 40], temperature=0, max_tokens=6)),
         _case("cmpl-token-prompt-echo", "/v1/completions",
@@ -112,9 +129,9 @@ def completion_cases() -> list[dict]:
         _case("cmpl-default-max-tokens", "/v1/completions", _cmpl(prompt=PROMPTS[3], temperature=0)),
         _case("cmpl-null-max-tokens", "/v1/completions", _cmpl(prompt=PROMPTS[3], temperature=0, max_tokens=None)),
         _case("cmpl-score-prompt", "/v1/completions",
-              _cmpl(prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=0, temperature=0)),
+              _cmpl(prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=0, temperature=0), deliberate=SCORE),
         _case("cmpl-score-prompt-top", "/v1/completions",
-              _cmpl(prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=5, temperature=0)),
+              _cmpl(prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=5, temperature=0), deliberate=SCORE),
         _case("cmpl-stop-token-ids", "/v1/completions",
               _cmpl(prompt=PROMPTS[0], temperature=0, max_tokens=10, stop_token_ids=[2, 10])),
         _case("cmpl-temperature-2", "/v1/completions", _cmpl(prompt=PROMPTS[0], temperature=2, max_tokens=3,
@@ -170,7 +187,7 @@ def chat_cases() -> list[dict]:
     for name, fields in extra:
         body = {"model": "$MODEL", "messages": m0, "temperature": 0, **fields}
         out.append(_case(f"chat-{name}", "/v1/chat/completions", body,
-                         deliberate=N_GREEDY if name == "n2-greedy" else None))
+                         deliberate={"n2-greedy": N_GREEDY, "echo": CHAT_ECHO}.get(name)))
     return out
 
 
@@ -181,8 +198,9 @@ def context_edge_cases() -> list[dict]:
         _case("edge-max-tokens-100", "/v1/completions", _cmpl(prompt=edge, temperature=0, max_tokens=100)),
         _case("edge-max-tokens-3", "/v1/completions", _cmpl(prompt=edge, temperature=0, max_tokens=3)),
         _case("edge-stream", "/v1/completions", _cmpl(prompt=edge, temperature=0, max_tokens=50, stream=True)),
-        _case("edge-ignore-eos", "/v1/completions", _cmpl(prompt=edge, temperature=0, max_tokens=10 ** 6,
+        _case("edge-ignore-eos", "/v1/completions", _cmpl(prompt=edge, temperature=0, max_tokens={"$int": "L"},
                                                           ignore_eos=True)),
+        _case("edge-past-the-context", "/v1/completions", _cmpl(prompt="x", max_tokens={"$int": "L+1"})),
         _case("edge-one-left", "/v1/completions", _cmpl(prompt={"$tokens": "L-1"}, temperature=0, max_tokens=5)),
         _case("edge-full", "/v1/completions", _cmpl(prompt={"$tokens": "L"}, max_tokens=1)),
         _case("edge-over", "/v1/completions", _cmpl(prompt={"$tokens": "L+10"})),
@@ -200,9 +218,10 @@ def null_cases() -> list[dict]:
         fields = sorted(name for name, f in model.model_fields.items() if not f.is_required())
         for name in fields:
             body = {"model": "$MODEL", "temperature": 0, "max_tokens": 4, **base, name: None}
-            out.append(_case(f"{kind}-null-{name}", path, body, deliberate=N_NULL if name == "n" else None))
+            out.append(_case(f"{kind}-null-{name}", path, body,
+                             deliberate=NULL_DEFAULT if name in VLLM_REFUSES_NULL else None))
         out.append(_case(f"{kind}-null-all", path, {**{name: None for name in fields}, **base, "model": "$MODEL"},
-                         deliberate=N_NULL))
+                         deliberate=NULL_DEFAULT))
     return out
 
 
@@ -220,11 +239,11 @@ def bad_cases() -> list[dict]:
         ("stop-ints", {"stop": [1, 2]}, None), ("stop-five", {"stop": ["a", "b", "c", "d", "e"]}, None),
         ("stop-token-negative", {"stop_token_ids": [-1]}, None),
         ("stop-token-outside", {"stop_token_ids": [10 ** 6]}, None),
-        ("seed-huge", {"seed": 2 ** 70}, None), ("best-of-below-n", {"n": 2, "best_of": 1}, None),
-        ("best-of-stream", {"n": 1, "best_of": 2, "stream": True}, None),
+        ("seed-huge", {"seed": 2 ** 70}, None), ("best-of-below-n", {"n": 2, "best_of": 1}, BEST_OF),
+        ("best-of-stream", {"n": 1, "best_of": 2, "stream": True}, BEST_OF),
         ("logit-bias-word", {"logit_bias": {"five": 1.0}}, None),
         ("logit-bias-outside", {"logit_bias": {"99999999": 1.0}}, None),
-        ("logit-bias-300", {"logit_bias": {"5": 300}}, None),
+        ("logit-bias-300", {"logit_bias": {"5": 300}}, LOGIT_BIAS_RANGE),
         ("suffix", {"suffix": "y"}, None), ("prompt-logprobs-stream", {"prompt_logprobs": 1, "stream": True}, None),
         ("ignore-eos-string", {"ignore_eos": "yes"}, STRICT_TYPES),
         ("stream-options-no-stream", {"stream_options": {"include_usage": True}}, None),
@@ -239,13 +258,14 @@ def bad_cases() -> list[dict]:
                  deliberate=why) for name, fields, why in cm]
     prompts = [("empty-list", []), ("empty-text", ""), ("empty-in-batch", ["x", ""]), ("token-outside", [1, 99999999]),
                ("token-negative", [1, -3]), ("object", {"a": 1}), ("null", None), ("number", 5)]
-    out += [_case(f"bad-cmpl-prompt-{name}", "/v1/completions", {"model": "$MODEL", "prompt": p}) for name, p in prompts]
+    out += [_case(f"bad-cmpl-prompt-{name}", "/v1/completions", {"model": "$MODEL", "prompt": p},
+                  deliberate=EMPTY_PROMPT if name == "empty-in-batch" else None) for name, p in prompts]
     out.append(_case("bad-cmpl-no-prompt", "/v1/completions", {"model": "$MODEL"}))
     m = MESSAGES[0]
     ch = [
         ("messages-empty", {"messages": []}, None), ("messages-string", {"messages": "hi"}, None),
         ("role-missing", {"messages": [{"content": "hi"}]}, None),
-        ("role-unknown", {"messages": [{"role": "wizard", "content": "hi"}]}, None),
+        ("role-unknown", {"messages": [{"role": "wizard", "content": "hi"}]}, ROLES),
         ("top-logprobs-without", {"messages": m, "top_logprobs": 2}, None),
         ("top-logprobs-21", {"messages": m, "logprobs": True, "top_logprobs": 21}, None),
         ("max-completion-tokens-0", {"messages": m, "max_completion_tokens": 0}, None),
@@ -270,20 +290,20 @@ def bad_cases() -> list[dict]:
     deep = "[" * 1500 + "]" * 1500
     raws = [("not-json", "{not json"), ("array", "[1, 2]"), ("empty", ""), ("deep", '{"prompt": "x", "user": %s}' % deep),
             ("deep-object", '{"prompt": "x", "user": ' + '{"a":' * 1500 + "1" + "}" * 1500 + "}")]
-    out += [_case(f"bad-raw-{name}", "/v1/completions", raw=raw, headers={"Content-Type": "application/json"})
-            for name, raw in raws]
+    out += [_case(f"bad-raw-{name}", "/v1/completions", raw=raw, headers={"Content-Type": "application/json"},
+                  deliberate=OPENAI_ERRORS if name.startswith("deep") else None) for name, raw in raws]
     return out
 
 
 def endpoint_cases() -> list[dict]:
     return [
-        _case("get-models", "/v1/models", method="GET"),
-        _case("get-health", "/health", method="GET"),
-        _case("get-ping", "/ping", method="GET"),
-        _case("post-ping", "/ping", method="POST"),
+        _case("get-models", "/v1/models", method="GET", deliberate=MODELS),
+        _case("get-health", "/health", method="GET", deliberate=HEALTH),
+        _case("get-ping", "/ping", method="GET", deliberate=HEALTH),
+        _case("post-ping", "/ping", method="POST", deliberate=HEALTH),
         _case("get-version", "/version", method="GET"),
-        _case("get-unknown", "/v1/nothing-here", method="GET"),
-        _case("get-completions", "/v1/completions", method="GET"),
+        _case("get-unknown", "/v1/nothing-here", method="GET", deliberate=OPENAI_ERRORS),
+        _case("get-completions", "/v1/completions", method="GET", deliberate=OPENAI_ERRORS),
         _case("cors-preflight", "/v1/completions", method="OPTIONS",
               headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST",
                        "Access-Control-Request-Headers": "content-type,authorization"}),
@@ -295,7 +315,7 @@ def endpoint_cases() -> list[dict]:
         _case("request-id-again", "/v1/completions", _cmpl(prompt="x", max_tokens=2, temperature=0),
               headers={"X-Request-Id": "diff-retry-1"}, serial=True),
         _case("request-id-bad", "/v1/completions", _cmpl(prompt="x", max_tokens=2),
-              headers={"X-Request-Id": "bad id!"}, deliberate=OUR_ENDPOINT),
+              headers={"X-Request-Id": "bad id!"}, deliberate=REQUEST_ID),
     ]
 
 

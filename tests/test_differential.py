@@ -70,7 +70,7 @@ def test_against_a_peer_only_deliberate_differences(cases):
     finally:
         stack.stop()
     peer = asyncio.run(differential.observe_all(PEER_URL, cases, concurrency=16))
-    counted, deliberate = differential.report(cases, ours, peer, honour_deliberate=True)
+    counted, deliberate = differential.peer_report(cases, ours, peer)
     for line in deliberate + counted:
         print(line)
     print(f"{len(cases)} cases: {len(counted)} differences, {len(deliberate)} deliberate")
