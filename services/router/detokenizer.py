@@ -54,7 +54,13 @@ class IncrementalDetokenizer:
         prefix_text = self.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         new_text = self.decode(self.ids[self.prefix_offset:], self.skip)
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):].rstrip(REPLACEMENT)
+        return without_cut_character(new_text[len(prefix_text):])
+
+
+def without_cut_character(text: str) -> str:
+    """A text whose last character lost its final bytes to the end of the sequence (decoded as
+    U+FFFD) ends before that character instead, as vLLM's does; the offline engine's texts too."""
+    return text.rstrip(REPLACEMENT)
 
 
 class TokenTexts:
