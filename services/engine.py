@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.store import BlockStore
 from services.engine_config import ConfigError, EngineConfig
+from services.router.detokenizer import without_cut_character
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.sampling_params import SamplingParams
@@ -139,7 +140,8 @@ class Engine:
         if req.beam is None:
             seqs = sorted(seqs, key=lambda s: s.seq_index)
         outs = [CompletionOutput(i, s.output_token_ids,
-                                 self.tokenizer.decode(s.output_token_ids, skip_special_tokens=p.skip_special_tokens),
+                                 without_cut_character(self.tokenizer.decode(s.output_token_ids,
+                                                                             skip_special_tokens=p.skip_special_tokens)),
                                  s.cum_logprob, s.logprobs, s.top_logprobs if p.logprobs is not None else None,
                                  s.finish_reason)
                 for i, s in enumerate(seqs[:p.n])]

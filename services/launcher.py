@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.router.service import add_cors_arguments, cors_argv
+
 TINY_DIR = Path(".cache/tiny-llama")
 
 
@@ -98,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per worker; 0 = auto (on CPU every core, split between the ranks)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--log-level", default="INFO")
+    add_cors_arguments(p)     # the routers' own flags, passed through
 
 
 def config_from_args(args) -> Config:
@@ -108,7 +111,8 @@ def config_from_args(args) -> Config:
                   swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
                   tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
-                  enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level.upper()).validate()
+                  enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level.upper(),
+                  extra_router_args=cors_argv(args)).validate()
 
 
 def resolve_model(model: str) -> str:

@@ -8,6 +8,7 @@ Keys (Redis, under a prefix, default "pagedserve:"):
   replica:<id>          JSON {id, endpoint, info}, expires with the lease (PX)
   replicas              set of replica ids (pruned of expired ones on read)
   request:<id>          hash of the request record, expires `request_ttl_s` after its last write
+  request:<id>:claim    held while the request runs: a second request of that id is refused
   apikey:<sha256>       JSON of the key's info (the key itself is never stored)
   rate:<sha256>:<win>   request count of one fixed window; two windows give a sliding estimate
 
@@ -82,7 +83,9 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     def put_request(self, request_id: str, router_id: str, replica_endpoint: str, status: str,
                     ttl_s: float = REQUEST_TTL_S, **fields: Any) -> bool:
-        """Create a record; False (and nothing written) if that id is already taken."""
+        """Create a record; False (and nothing written) if a request of that id is running. The
+        record of a finished one is replaced (a client retrying with its id, as vLLM allows); a
+        running id stays taken, so that lookups and cancels by id have one owner."""
 
     @abc.abstractmethod
     def get_request(self, request_id: str) -> dict | None: ...
@@ -165,7 +168,7 @@ class MemoryState(StateStore):
         with self._lock:
             now = self._clock()
             entry = self._requests.get(request_id)
-            if entry is not None and entry[0] > now:
+            if entry is not None and entry[0] > now and entry[1]["status"] == "running":
                 return False
             self._purge_requests(now)
             record = {"request_id": request_id, "router_id": router_id, "replica_endpoint": replica_endpoint,
@@ -291,10 +294,12 @@ class RedisState(StateStore):
         now = time.time()
         record = {"request_id": request_id, "router_id": router_id, "replica_endpoint": replica_endpoint,
                   "status": status, "created": now, "updated": now, **fields}
-        # SET NX on a guard claims the id atomically; the hash follows.
+        # SET NX on a guard claims the id atomically while the request runs (its end releases
+        # the guard); the hash follows, replacing a finished request's record.
         if not self.r.set(key + ":claim", "1", nx=True, px=max(1, int(ttl_s * 1000))):
             return False
         pipe = self.r.pipeline()
+        pipe.delete(key)
         pipe.hset(key, mapping={k: json.dumps(v) for k, v in record.items()})
         pipe.pexpire(key, max(1, int(ttl_s * 1000)))
         pipe.execute()
@@ -313,7 +318,10 @@ class RedisState(StateStore):
         pipe = self.r.pipeline()
         pipe.hset(key, mapping=mapping)
         pipe.pexpire(key, px)
-        pipe.pexpire(key + ":claim", px)
+        if status == "running":
+            pipe.pexpire(key + ":claim", px)
+        else:
+            pipe.delete(key + ":claim")     # over: the id may be used again
         pipe.execute()
         return True
 

@@ -26,6 +26,7 @@ class _Active:
     prompt_len: int
     produced: dict = field(default_factory=dict)     # choice -> tokens so far
     done: set = field(default_factory=set)
+    produced_before: bool = False
 
 
 class FakeScheduler(threading.Thread):
@@ -155,7 +156,11 @@ class FakeScheduler(threading.Thread):
                     req.done.add(j)
                 outs.append(d)
             finished = len(req.done) == p.n
-            self._send(req.owner, protocol.RequestUpdate(rid, outs, finished, None, req.prompt_len))
+            # Prompt logprobs (when asked) come with the first update, as the real scheduler sends them.
+            scored = [[-1.0 - 0.1 * k, k + 1, []] for k in range(req.prompt_len - 1)] \
+                if p.prompt_logprobs is not None and not req.produced_before else None
+            req.produced_before = True
+            self._send(req.owner, protocol.RequestUpdate(rid, outs, finished, None, req.prompt_len, 0, scored))
             if finished:
                 del self.active[rid]
 

@@ -29,13 +29,22 @@ def test_incremental_detokenizing_equals_a_batch_decode(tokenizer):
         pieces = [detok.push(i) for i in ids] + [detok.flush()]
         assert "".join(pieces) == tokenizer.decode(ids) == text
         assert not any("\ufffd" in p for p in pieces)
-    # Random ids (incomplete characters included, special tokens too): still the batch decode.
+    # Random ids (incomplete characters included, special tokens too): still the batch decode, but
+    # for a character the end cut off, which is dropped (as vLLM) instead of shown as U+FFFD.
     for _ in range(20):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
         for skip in (True, False):
             detok = IncrementalDetokenizer(decode, [1], skip_special_tokens=skip)
             got = "".join(detok.push(i) for i in ids) + detok.flush()
-            assert got == tokenizer.decode(ids, skip_special_tokens=skip)
+            assert got == tokenizer.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
+
+
+def test_a_character_cut_off_by_the_end_is_dropped(tokenizer):
+    decode = fast_decoder(tokenizer)
+    ids = tokenizer("ok €", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(decode, [1])
+    pieces = [detok.push(i) for i in ids[:-1]] + [detok.flush()]   # the last byte of "€" never came
+    assert "".join(pieces) == "ok " and "\ufffd" not in "".join(pieces)
 
 
 def _stream(stops, pieces, include=False):

@@ -58,6 +58,17 @@ def test_request_records_are_created_once_and_updated(state):
     assert not state.update_request_status("nope", "finished")
 
 
+def test_a_finished_request_id_can_be_used_again_a_running_one_cannot(state):
+    assert state.put_request("r2", "router-a", "tcp://x:1", "running", model="m")
+    assert not state.put_request("r2", "router-b", "tcp://y:1", "running")
+    assert state.update_request_status("r2", "finished", finish_reasons=["length"])
+    assert state.put_request("r2", "router-b", "tcp://y:1", "running", kind="chat"), "a retry reuses the id"
+    rec = state.get_request("r2")
+    assert rec["router_id"] == "router-b" and rec["status"] == "running" and rec["kind"] == "chat"
+    assert "model" not in rec and "finish_reasons" not in rec, "the new record replaces the old one"
+    assert not state.put_request("r2", "router-a", "tcp://x:1", "running"), "while it runs, it is taken"
+
+
 def test_api_keys_are_checked_by_hash(state):
     assert state.check_api_key("sk-1") is None
     state.add_api_key("sk-1", {"name": "alice", "rate_limit": 5})

@@ -1,7 +1,7 @@
 """The router's FastAPI app: routes, error handlers, auth, and the context they share.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (live),
-GET /ready (a scheduler answers Ping with ready=True), GET /metrics (Prometheus), GET /v1/kv (the
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (live; /ping
+too, as vLLM), GET /version, GET /ready (a scheduler answers Ping with ready=True), GET /metrics (Prometheus), GET /v1/kv (the
 block store's stats), GET /v1/requests/{id}, POST /v1/requests/{id}/cancel (and DELETE
 /v1/requests/{id}): any router can report on or cancel a request made through another one.
 Every error, FastAPI's own included, leaves in the OpenAI shape (services.router.errors).
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import logging
 import re
 import time
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,6 +40,14 @@ log = logging.getLogger("pagedserve.router")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+@functools.cache
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown"
+
+
 class RouterContext:
     """Everything a request handler needs; one per app."""
 
@@ -46,10 +57,11 @@ class RouterContext:
         self.state = state
         self.router_id = config.router_id
         self.model_name = config.served_model_name or config.model
+        self.system_fingerprint = f"pagedserve-{server_version()}"
         self.served_names = {self.model_name}
         self.max_batch_prompts = 64
         self.decode = fast_decoder(info.tokenizer)
-        self.token_texts = TokenTexts(self.decode)
+        self.token_texts = TokenTexts(self.decode, info.tokenizer)
         self.metrics = RouterMetrics(self.model_name)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
@@ -100,17 +112,23 @@ class RouterContext:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
-    def check_length(self, prompt_len: int, max_tokens: int, prompt_param: str) -> None:
+    def fit_max_tokens(self, prompt_lens: list[int], asked: int | None, prompt_param: str) -> int:
+        """max_tokens as sent to the engine: what was asked (None: the rest of the context),
+        shortened to the room the shortest prompt leaves, as vLLM does. The scheduler ends each
+        sequence at the context's end ("length"), so every prompt gets min(asked, its own room).
+        A prompt that does not fit by itself is a 400, and so (as in vLLM) is a max_tokens that
+        could not fit even after an empty prompt."""
         limit = self.info.max_model_len
-        if prompt_len >= limit:
+        longest = max(prompt_lens)
+        if longest >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
-                              f"{prompt_param} has {prompt_len} tokens, leaving no room for a completion.",
+                              f"{prompt_param} has {longest} tokens, leaving no room for a completion.",
                               prompt_param)
-        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and prompt_len + max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
-                              f"{max_tokens} in the completion). Please reduce the length of the "
-                              f"{prompt_param} or completion.", "max_tokens")
+        if asked is not None and asked > limit:
+            raise bad_request(f"max_tokens={asked} cannot be greater than the model's maximum context "
+                              f"length of {limit} tokens", "max_tokens")
+        room = limit - min(prompt_lens)
+        return room if asked is None else min(asked, room)
 
     def new_request_id(self, request: Request, prefix: str) -> str:
         given = request.headers.get("x-request-id")
@@ -161,6 +179,8 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
 
     app = FastAPI(title="pagedserve router", lifespan=lifespan)
     app.state.ctx = ctx
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                       allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
     # ---- errors ------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -212,6 +232,13 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    # vLLM's /ping (SageMaker's liveness check) answers as /health does, to GET and POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version():
+        return {"version": server_version()}
 
     @app.get("/ready")
     async def ready():

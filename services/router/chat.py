@@ -31,24 +31,24 @@ async def create_chat_completion(ctx: "RouterContext", request):
     prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No max_tokens in chat means "the rest of the context", as in vLLM.
-    max_tokens = asked if asked is not None else ctx.info.max_model_len - len(prompt_ids)
-    ctx.check_length(len(prompt_ids), max_tokens, "messages")
+    max_tokens = ctx.fit_max_tokens([len(prompt_ids)], asked, "messages")
     params, n = sampling_params(req, max_tokens=max_tokens,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                vocab_size=ctx.info.vocab_size)
+                                vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings)
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
-                        req.prompt_logprobs is not None)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
+                        req.prompt_logprobs is not None, req.return_token_ids)
+    return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
 
 
 # OpenAI's roles; "assistant" and "tool" content may be empty (a tool call without text).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# "developer" is OpenAI's newer name for "system"; chat templates know only the old one.
+TEMPLATE_ROLE = {"developer": "system"}
 
 
 def _text(content) -> str:
@@ -77,7 +77,7 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
             raise bad_request(f"messages[{i}] ({m.role}) needs content", f"messages[{i}].content")
         if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
             raise bad_request("only text content parts are supported", f"messages[{i}].content")
-        messages.append({"role": m.role, "content": _text(m.content)})
+        messages.append({"role": TEMPLATE_ROLE.get(m.role, m.role), "content": _text(m.content)})
     tok = ctx.info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -86,9 +86,8 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
                                        continue_final_message=req.continue_final_message)
     except Exception as e:  # jinja raises its own types for templates that reject the messages
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-    # Templates that write the BOS themselves must not get a second one from the tokenizer.
-    bos = ctx.info.bos_token
-    ids = ctx.tokenize(text, add_special_tokens=not (bos and text.startswith(bos)), param="messages")
+    # As vLLM: no special tokens beyond the template's own unless the client asks (templates write the BOS).
+    ids = ctx.tokenize(text, add_special_tokens=req.add_special_tokens, param="messages")
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
     return ids
@@ -96,19 +95,21 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
 
 class ChatFormatter:
     def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None,
-                 echo: str = "", with_prompt_logprobs: bool = False):
+                 echo: str = "", with_prompt_logprobs: bool = False, token_ids: bool = False):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
+        self.token_ids = token_ids       # return_token_ids
         self.top = top_logprobs          # None: no logprobs asked
         self.echo = echo                 # text every choice starts with (chat echo)
         self.with_prompt_logprobs = with_prompt_logprobs
         self.created = int(time.time())
 
-    def _base(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+    def _base(self, obj: str = "chat.completion.chunk") -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.ctx.system_fingerprint}
 
     def _entry(self, token_id: int, logprob) -> dict:
-        text = self.ctx.token_texts.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        texts = self.ctx.token_texts
+        return {"token": texts.text(token_id), "logprob": logprob, "bytes": texts.bytes(token_id)}
 
     def _logprobs(self, entries) -> dict | None:
         if self.top is None:
@@ -118,19 +119,23 @@ class ChatFormatter:
                             for e in entries]}
 
     def start_chunks(self) -> list[dict]:
-        return [{**self._base(), "choices": [{"index": c.index, "delta": {"role": "assistant", "content": self.echo},
-                                              "logprobs": None, "finish_reason": None}]}
+        prompt_ids = {"prompt_token_ids": list(self.gen.prompts[0])} if self.token_ids else {}
+        return [{**self._base(), **prompt_ids,
+                 "choices": [{"index": c.index, "delta": {"role": "assistant", "content": self.echo},
+                              "logprobs": None, "finish_reason": None}]}
                 for c in self.gen.all_choices]
 
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
         for ev in events:
-            if ev.says_nothing(self.top is not None):
+            if ev.says_nothing(self.top is not None or self.token_ids):
                 continue
             out.append({**self._base(), "choices": [{
-                "index": ev.index, "delta": {"content": ev.text} if ev.text else {},
+                # content even when empty (a token that ends the choice unseen), as vLLM sends it
+                "index": ev.index, "delta": {"content": ev.text},
                 "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason,
-                "stop_reason": ev.stop_reason}]})
+                "stop_reason": ev.stop_reason,
+                **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
         return out
 
     def usage_chunk(self) -> dict:
@@ -138,11 +143,13 @@ class ChatFormatter:
 
     def final(self) -> dict:
         picked = best_choices(self.gen, self.n)
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+        return {**self._base("chat.completion"),
                 "choices": [{"index": i, "message": {"role": "assistant", "content": self.echo + c.text},
                              "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason}
+                             "stop_reason": c.stop_reason,
+                             **({"token_ids": list(c.token_ids)} if self.token_ids else {})}
                             for i, c in enumerate(picked)],
                 "usage": usage(self.gen, picked),
+                **({"prompt_token_ids": list(self.gen.prompts[0])} if self.token_ids else {}),
                 **({"prompt_logprobs": prompt_logprobs_json(self.gen, 0, self.ctx.token_texts.text)}
                    if self.with_prompt_logprobs else {})}

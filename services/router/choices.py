@@ -38,8 +38,10 @@ class ChoiceEvent:
 
 class ChoiceState:
     def __init__(self, index: int, detokenizer: IncrementalDetokenizer, stops: StopStrings,
-                 eos_token_ids: set[int], stop_token_ids: set[int], min_tokens: int = 0):
+                 eos_token_ids: set[int], stop_token_ids: set[int], min_tokens: int = 0,
+                 keep_output: bool = True):
         self.index = index
+        self.keep_output = keep_output     # False: the request only scores its prompt (echo, max_tokens 0)
         self.detok = detokenizer
         self.stops = stops
         # Tokens that end a sequence with "stop": EOS and stop_token_ids. Counted; shown only with
@@ -65,6 +67,9 @@ class ChoiceState:
         return self.stops.matched if self.stops.matched is not None else self.stop_token
 
     def apply(self, delta: CompletionDelta) -> ChoiceEvent:
+        if not self.keep_output:      # the engine's one token is not the client's: only its end is
+            self.finish_reason = delta.finish_reason
+            return ChoiceEvent(self.index, "", [], self.finish_reason)
         parts: list[str] = []
         new_lps: list[TokenLogprob] = []
         matched = False

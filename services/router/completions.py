@@ -20,43 +20,53 @@ async def create_completion(ctx: "RouterContext", request):
     ctx.check_model(req.model)
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    size = sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt) if isinstance(p, str))
-    prompts = await ctx.off_loop(tokenize_prompts, ctx, req.prompt, size=size)
-    longest = max(len(p) for p in prompts)
-    max_tokens = req.max_tokens if req.max_tokens is not None else ctx.info.max_model_len - longest
-    ctx.check_length(longest, max_tokens, "prompt")
+    items = prompt_items(req.prompt)
+    size = sum(len(p) for p in items if isinstance(p, str))
+    prompts = await ctx.off_loop(tokenize_prompts, ctx, items, req.add_special_tokens, size=size)
+    # Echo with max_tokens 0 scores the prompt (what evaluation harnesses send): the engine makes
+    # one token, which nobody sees.
+    score_only = req.echo and req.max_tokens == 0
+    max_tokens = ctx.fit_max_tokens([len(p) for p in prompts], 1 if score_only else req.max_tokens, "prompt")
     if req.stream and req.echo and req.logprobs is not None and len(prompts) > 1:
         # Each prompt's echo chunk would wait for that prompt's first update; one at a time.
         raise bad_request("echo with logprobs streams one prompt at a time", "echo")
-    # Echo with logprobs shows the prompt's logprobs too (as vLLM: prompt_logprobs = logprobs).
+    # Echo with logprobs shows the prompt's logprobs too, in the logprobs and (as vLLM) as
+    # prompt_logprobs: vLLM sets prompt_logprobs = logprobs.
     params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.info.vocab_size,
+                                max_stop_strings=ctx.config.max_stop_strings,
                                 prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None)
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
-                     stream=bool(req.stream))
+                     stream=bool(req.stream), score_only=score_only)
     await gen.start()
-    echo = [ctx.decode(p, params.skip_special_tokens) for p in prompts] if req.echo else None
+    # The prompt as sent; token prompts as their text, special tokens included.
+    echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \
+        if req.echo else None
     fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo,
-                              req.prompt_logprobs)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await respond(request, gen, fmt, req.stream, include_usage, {"X-Request-Id": request_id})
+                              params.prompt_logprobs, req.return_token_ids)
+    return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
 
 
-def tokenize_prompts(ctx: "RouterContext", prompt) -> list[list[int]]:
-    """str | list[int] | list[str] | list[list[int]] -> token ids per prompt, each checked."""
+def prompt_items(prompt) -> list:
+    """str | list[int] | list[str] | list[list[int]] -> the list of prompts (texts or token ids)."""
     if isinstance(prompt, str):
-        items = [prompt]
-    elif prompt and all(isinstance(x, int) for x in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
+        return [prompt]
+    if prompt and all(isinstance(x, int) for x in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def tokenize_prompts(ctx: "RouterContext", items: list, add_special_tokens: bool = True) -> list[list[int]]:
+    """Each prompt (text or token ids) -> its token ids, checked."""
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     if len(items) > ctx.max_batch_prompts:
         raise bad_request(f"at most {ctx.max_batch_prompts} prompts per request, got {len(items)}", "prompt")
     out = []
     for item in items:
-        ids = ctx.tokenize(item) if isinstance(item, str) else list(item)
+        if isinstance(item, str) and not item:     # its BOS alone is no prompt (vLLM refuses it too)
+            raise bad_request("prompt must not be empty", "prompt")
+        ids = ctx.tokenize(item, add_special_tokens) if isinstance(item, str) else list(item)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
         bad = [t for t in ids if not 0 <= t < ctx.info.vocab_size]
@@ -68,15 +78,23 @@ def tokenize_prompts(ctx: "RouterContext", prompt) -> list[list[int]]:
 
 class CompletionFormatter:
     def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, logprobs: int | None,
-                 echo: list[str] | None, prompt_logprobs: int | None = None):
+                 echo: list[str] | None, prompt_logprobs: int | None = None, token_ids: bool = False):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
         self.logprobs = logprobs
         self.echo = echo
-        self.prompt_logprobs = prompt_logprobs     # vLLM's field, asked for by name
+        self.prompt_logprobs = prompt_logprobs     # vLLM's field
+        self.token_ids = token_ids                 # return_token_ids
+        self.prompt_ids_sent: set[int] = set()     # streamed choices whose first chunk has gone
         self.created = int(time.time())
+        # Echo with logprobs: offsets run on through the prompt's tokens into the completion's (as
+        # vLLM counts them: each token's text, special tokens included), so they never go back.
+        text = ctx.token_texts.text
+        self.offsets = [sum(len(text(t)) for t in ids) for ids in gen.prompts] \
+            if echo is not None and logprobs is not None else [0] * len(gen.prompts)
 
     def _base(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "system_fingerprint": self.ctx.system_fingerprint}
 
     def _logprobs(self, entries, choice_offset: int = 0) -> dict | None:
         if self.logprobs is None:
@@ -110,7 +128,7 @@ class CompletionFormatter:
                 "text_offset": offsets}
 
     def _choice_logprobs(self, p: int, entries) -> dict | None:
-        own = self._logprobs(entries, len(self.echo[p]) if self.echo else 0)
+        own = self._logprobs(entries, self.offsets[p])
         head = self._echo_logprobs(p) if self.echo else None
         if own is None or head is None:
             return own
@@ -119,23 +137,31 @@ class CompletionFormatter:
     def _prompt_of(self, index: int) -> int:
         return index // self.gen.params.n
 
+    def _prompt_ids(self, index: int) -> dict:
+        """return_token_ids in a stream: the choice's first chunk carries its prompt's ids (as vLLM)."""
+        if not self.token_ids or index in self.prompt_ids_sent:
+            return {}
+        self.prompt_ids_sent.add(index)
+        return {"prompt_token_ids": list(self.gen.prompts[self._prompt_of(index)])}
+
     def start_chunks(self) -> list[dict]:
         if not self.echo:
             return []
         return [{**self._base(), "choices": [{"index": c.index, "text": self.echo[self._prompt_of(c.index)],
                                               "logprobs": self._echo_logprobs(self._prompt_of(c.index)),
-                                              "finish_reason": None}]}
+                                              "finish_reason": None, **self._prompt_ids(c.index)}]}
                 for c in self.gen.all_choices]
 
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
         for ev in events:
-            if ev.says_nothing(self.logprobs is not None):
+            if ev.says_nothing(self.logprobs is not None or self.token_ids):
                 continue
-            offset = len(self.echo[self._prompt_of(ev.index)]) if self.echo else 0
+            p = self._prompt_of(ev.index)
             out.append({**self._base(), "choices": [{
-                "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs, offset),
-                "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}]})
+                "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs, self.offsets[p]),
+                "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason, **self._prompt_ids(ev.index),
+                **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
         return out
 
     def usage_chunk(self) -> dict:
@@ -151,5 +177,7 @@ class CompletionFormatter:
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if self.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(self.gen, p, self.ctx.token_texts.text)
+            if self.token_ids:
+                choice.update(prompt_token_ids=list(self.gen.prompts[p]), token_ids=list(c.token_ids))
             choices.append(choice)
         return {**self._base(), "choices": choices, "usage": usage(self.gen, picked)}

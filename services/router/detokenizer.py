@@ -8,6 +8,7 @@ render the first output token as it reads in context.
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 REPLACEMENT = "\ufffd"
@@ -46,22 +47,63 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """The sequence ended: release held ids, an incomplete character included (shown as U+FFFD,
-        exactly as a batch decode of all the ids shows it)."""
+        """The sequence ended: release held ids. A character whose bytes were cut off by the end
+        is dropped rather than shown as U+FFFD, as vLLM does (push held it for that reason only)."""
         if self.read_offset == len(self.ids):
             return ""
         prefix_text = self.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         new_text = self.decode(self.ids[self.prefix_offset:], self.skip)
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
+        return without_cut_character(new_text[len(prefix_text):])
+
+
+def without_cut_character(text: str) -> str:
+    """A text whose last character lost its final bytes to the end of the sequence (decoded as
+    U+FFFD) ends before that character instead, as vLLM's does; the offline engine's texts too."""
+    return text.rstrip(REPLACEMENT)
 
 
 class TokenTexts:
-    """The text of single tokens, for logprobs ("tokens" and top-logprob keys); cached per id."""
+    """The text of single tokens, for logprobs ("tokens" and top-logprob keys), and their bytes
+    (chat logprobs' "bytes"); cached per id."""
 
-    def __init__(self, decode):
+    def __init__(self, decode, tokenizer=None):
         self._decode = decode
+        self._tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._one)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
 
     def _one(self, token_id: int) -> str:
         return self._decode([token_id], False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: for a token holding part of a character its text is U+FFFD,
+        whose bytes say nothing; the vocabulary entry has them (byte-level BPE spells each byte
+        as one character; SentencePiece's byte fallback as <0xNN>)."""
+        text = self.text(token_id)
+        if REPLACEMENT in text and self._tokenizer is not None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                m = _BYTE_FALLBACK.fullmatch(piece)
+                if m:
+                    return [int(m.group(1), 16)]
+                if all(c in _BYTE_LEVEL for c in piece):
+                    return [_BYTE_LEVEL[c] for c in piece]
+        return list(text.encode("utf-8"))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table (byte-level BPE), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -36,7 +36,7 @@ class _Disconnected:
 class Generation:
     def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
                  params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
-                 stream: bool = True):
+                 stream: bool = True, score_only: bool = False):
         self.ctx = ctx
         # Nobody reads a non-streamed request's text before its end, and without stop strings
         # nothing in it can end the request early: its updates are merged by the scheduler client
@@ -55,7 +55,8 @@ class Generation:
         self.choices: list[list[ChoiceState]] = [
             [ChoiceState(p * params.n + i,
                          IncrementalDetokenizer(ctx.decode, ids, params.skip_special_tokens),
-                         StopStrings(params.stop, include_stop_str), eos_ids, stop_ids, params.min_tokens)
+                         StopStrings(params.stop, include_stop_str), eos_ids, stop_ids, params.min_tokens,
+                         keep_output=not score_only)
              for i in range(params.n)]
             for p, ids in enumerate(prompts)]
         self.done: set[int] = set()          # prompt indices whose backend request is over

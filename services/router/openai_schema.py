@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.router.errors import APIError, bad_request
 from services.sampling_params import SamplingParams, SamplingParamsError
@@ -19,9 +19,18 @@ from services.sampling_params import SamplingParams, SamplingParamsError
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        # OpenAI declares its optional fields nullable: `null` asks for the default, never a 400.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(_Strict):
@@ -60,6 +69,7 @@ class _SamplingFields(_Strict):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: int | None = None
+    return_token_ids: bool = False            # vLLM's: prompt_token_ids and token_ids in the response
 
 
 class CompletionRequest(_SamplingFields):
@@ -68,6 +78,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
 
 
 class ContentPart(_Strict):
@@ -90,6 +101,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    add_special_tokens: bool = False          # as vLLM: the chat template writes the BOS itself
     # Tool calling is not served: declared so that asking for it is a clear 400.
     tools: list | None = None
     tool_choice: Any = None
@@ -103,12 +115,35 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
+    except RecursionError:      # the decoder recursed past Python's limit (depth ~1000)
+        data = None
+    # Validation (and any later walk of the body) recurses too: a bound keeps a deep body a 400.
+    if data is None or _depth_exceeds(raw, data, MAX_JSON_DEPTH):
+        raise bad_request(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+# Far deeper than any request this API takes (a tool schema is a few levels).
+MAX_JSON_DEPTH = 64
+
+
+def _depth_exceeds(raw: bytes, data, limit: int) -> bool:
+    """Whether data nests more than limit containers deep (iterative: no recursion to run out of)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:     # the usual body: too few brackets to be deep
+        return False
+    todo = [(data, 1)] if isinstance(data, (dict, list)) else []
+    while todo:
+        node, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|[A-Z]\w*)$")
@@ -136,11 +171,12 @@ def validation_error(errors: list) -> APIError:
     return bad_request(f"Invalid value for {where}: {first.get('msg')}", param)
 
 
-def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    vocab_size: int, prompt_logprobs: int | None = None) -> tuple[SamplingParams, int]:
+def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    max_stop_strings: int, prompt_logprobs: int | None = None) -> tuple[SamplingParams, int]:
     """The request's SamplingParams (validated) and how many choices the client gets back.
 
-    params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned)."""
+    params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned).
+    The API's own limits (OpenAI's, narrower than what the engine takes) are checked here."""
     logit_bias = {}
     if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:
         raise bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
@@ -166,6 +202,14 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     if req.stream and best_of > req.n and not req.use_beam_search:
         raise bad_request("best_of greater than n cannot be streamed", "best_of")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > max_stop_strings:
+        raise bad_request(f"at most {max_stop_strings} stop strings, got {len(stop)}", "stop")
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")
+    outside = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
+    if outside:
+        raise bad_request(f"stop_token_ids must be token ids below {vocab_size}, got {outside[0]}",
+                          "stop_token_ids")
     fields = dict(
         n=best_of if not req.use_beam_search else req.n,
         max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -187,6 +231,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     return params, req.n
 
 
+# OpenAI's range (the engine itself takes any temperature).
+MAX_TEMPERATURE = 2.0
 # The sampler adds each bias row by row every step: a bound keeps a request from slowing its batch.
 MAX_LOGIT_BIAS = 1024
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
@@ -199,11 +245,13 @@ def check_no_tools(req: ChatCompletionRequest) -> None:
     if req.functions or req.function_call not in (None, "none"):
         raise bad_request("functions are not supported; this server does no tool calling", "functions")
     choice = req.tool_choice
+    if req.tools == []:
+        raise bad_request("tools must not be empty; leave it out for no tools", "tools")
     if req.tools:
         if choice != "none":
             raise bad_request('tool calling is not supported; send tools only with tool_choice "none"',
                               "tool_choice")
-    elif choice not in (None, "none", "auto"):
+    elif choice not in (None, "none"):     # as vLLM: "auto" without tools is a 400 too
         raise bad_request(f"tool_choice {choice!r} needs tools, and this server does no tool calling",
                           "tool_choice")
 

@@ -63,8 +63,18 @@ def prompt_logprobs_json(gen: Generation, p: int, text) -> list | None:
     return out
 
 
-async def respond(request, gen: Generation, fmt: Formatter, stream: bool, include_usage: bool,
+def running_usage(gen: Generation, index: int) -> dict:
+    """vLLM's continuous_usage_stats: one choice's usage so far (its prompt, its tokens)."""
+    choice = gen.all_choices[index]
+    prompt = len(gen.prompts[index // gen.params.n])
+    return {"prompt_tokens": prompt, "completion_tokens": len(choice.token_ids),
+            "total_tokens": prompt + len(choice.token_ids)}
+
+
+async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream_options,
                   headers: dict) -> Response:
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and stream_options.continuous_usage_stats   # as vLLM: only with include_usage
     watcher = asyncio.create_task(watch_disconnect(request, gen))
     events = gen.events()
     try:
@@ -87,17 +97,23 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, includ
         gen.close(None if gen.error else APIError(500, "internal error"))
         raise
 
+    def write(chunks: list[dict]) -> str:
+        if continuous:
+            for c in chunks:
+                c["usage"] = running_usage(gen, c["choices"][0]["index"])
+        return "".join(map(sse, chunks))
+
     async def body():
         try:
             # One write per batch of updates, not per chunk: a router that falls behind catches
             # up in fewer, larger sends (each send costs a trip through starlette and uvicorn).
             head = fmt.start_chunks() + (fmt.chunks(first) if first is not None else [])
             if head:
-                yield "".join(map(sse, head))
+                yield write(head)
             async for batch in events:
                 chunks = fmt.chunks(batch)
                 if chunks:
-                    yield "".join(map(sse, chunks))
+                    yield write(chunks)
             gen.close()
             yield (sse(fmt.usage_chunk()) if include_usage else "") + DONE
         except ClientDisconnected:

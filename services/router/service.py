@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -44,6 +45,13 @@ class Config:
     ready_timeout_s: float = 1.0
     stats_timeout_s: float = 1.0
     log_level: str = "INFO"
+    max_stop_strings: int = 4                           # OpenAI's limit
+    # CORS, with vLLM's flags and defaults (JSON lists on the command line): no cross-origin
+    # browser access unless origins are named.
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
     def __post_init__(self):
         if not self.router_id:
@@ -75,7 +83,38 @@ class Config:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be positive")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.max_stop_strings < 0:
+            raise ValueError("--max-stop-strings must be at least 0")
+        for name in CORS_LISTS:
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {value!r}")
         return self
+
+
+CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
+
+
+def add_cors_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags; `pagedserve up` takes the same and passes them to its routers."""
+    for name in CORS_LISTS:
+        default = json.dumps(Config.__dataclass_fields__[name].default_factory())
+        p.add_argument(f"--{name.replace('_', '-')}", type=json.loads, default=None,
+                       help=f"a JSON list (default {default})")
+    p.add_argument("--allow-credentials", action="store_true")
+
+
+def cors_fields(args) -> dict:
+    """The Config fields the CORS flags set (absent flags keep the defaults)."""
+    out = {name: getattr(args, name) for name in CORS_LISTS if getattr(args, name) is not None}
+    return {**out, "allow_credentials": args.allow_credentials}
+
+
+def cors_argv(args) -> list[str]:
+    """The CORS flags given to `pagedserve up`, as a router's command line."""
+    argv = [a for name in CORS_LISTS if getattr(args, name) is not None
+            for a in (f"--{name.replace('_', '-')}", json.dumps(getattr(args, name)))]
+    return argv + (["--allow-credentials"] if args.allow_credentials else [])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-limit-window", type=float, default=Config.rate_limit_window_s)
     p.add_argument("--scheduler-timeout", type=float, default=Config.scheduler_timeout_s)
     p.add_argument("--log-level", default=Config.log_level)
+    p.add_argument("--max-stop-strings", type=int, default=Config.max_stop_strings,
+                   help="stop strings a request may send (OpenAI's limit is 4)")
+    add_cors_arguments(p)
 
 
 def config_from_args(args) -> Config:
@@ -106,7 +148,8 @@ def config_from_args(args) -> Config:
                   max_model_len=args.max_model_len, require_api_key=args.require_api_key,
                   api_keys=list(args.api_keys), rate_limit=args.rate_limit,
                   rate_limit_window_s=args.rate_limit_window, scheduler_timeout_s=args.scheduler_timeout,
-                  log_level=args.log_level.upper()).validate()
+                  log_level=args.log_level.upper(), max_stop_strings=args.max_stop_strings,
+                  **cors_fields(args)).validate()
 
 
 def build_app(config: Config, state=None):
