@@ -53,6 +53,31 @@ def _router(info, state, router_id, endpoint, **kw):
     return RouterServer(create_app(cfg, info, state))
 
 
+def test_a_cancel_through_the_owning_router_ends_its_stream(info, fake, shared_redis):
+    """The cancel and the stream on one router: the stream still hears the abort (the cancel used
+    to drop the stream's subscription, and the client hung until its timeout)."""
+    with _router(info, shared_redis(), "router-a", fake.endpoint) as a, httpx.Client(timeout=10) as http:
+        with http.stream("POST", a.url + "/v1/completions",
+                         json={"prompt": "x", "max_tokens": 1000, "stream": True}) as r:
+            lines = r.iter_lines()
+            rid = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])["id"]
+            assert http.post(f"{a.url}/v1/requests/{rid}/cancel").json()["status"] == "cancelled"
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_each_submission_has_backend_ids_of_its_own(info, fake, shared_redis):
+    """A retry under the id of a request the engine is still tearing down must not share its
+    backend id (it got the old request's last token and its abort)."""
+    with _router(info, shared_redis(), "router-a", fake.endpoint) as a, httpx.Client(timeout=10) as http:
+        for _ in range(2):
+            r = http.post(a.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                          headers={"X-Request-Id": "retry-me"})
+            assert r.status_code == 200, r.text
+        ids = [m.request_id for m in fake.messages(protocol.AddRequest)][-2:]
+        assert ids[0] != ids[1] and all(i.startswith("retry-me#") for i in ids)
+
+
 def test_a_request_made_through_one_router_is_visible_and_cancellable_through_another(info, fake, shared_redis):
     with _router(info, shared_redis(), "router-a", fake.endpoint) as a, \
             _router(info, shared_redis(), "router-b", fake.endpoint) as b, \
@@ -70,7 +95,7 @@ def test_a_request_made_through_one_router_is_visible_and_cancellable_through_an
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         # The abort came from router b's socket; the scheduler told the owner, whose stream ended.
         [abort] = fake.wait_for(protocol.AbortRequest)
-        assert abort.request_id == rid and fake.senders(protocol.AbortRequest) == [b"router-b"]
+        assert abort.request_id.startswith(rid + "#") and fake.senders(protocol.AbortRequest) == [b"router-b"]
         assert rest[-1]["choices"][0]["finish_reason"] == "abort"
         assert http.get(f"{a.url}/v1/requests/{rid}").json()["status"] == "cancelled"
         # Cancelling again is harmless and sends nothing more.

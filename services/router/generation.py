@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -47,8 +48,12 @@ class Generation:
         self.params = params
         self.kind = kind
         # '#' is not allowed in a client's X-Request-Id, so a client cannot name another request's
-        # backend request (and take over its updates).
-        self.backend_ids = [request_id] if len(prompts) == 1 else [f"{request_id}#{i}" for i in range(len(prompts))]
+        # backend request (and take over its updates). The tag makes every submission's ids its
+        # own: a retry under the id of a request that the engine is still tearing down (its client
+        # just left) must not receive that request's last token and abort.
+        tag = secrets.token_hex(4)
+        self.backend_ids = [f"{request_id}#{tag}"] if len(prompts) == 1 else \
+            [f"{request_id}#{tag}.{i}" for i in range(len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
         stop_ids = set(params.stop_token_ids)
         eos_ids = set() if params.ignore_eos else set(ctx.info.eos_token_ids)

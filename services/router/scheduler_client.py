@@ -165,7 +165,8 @@ class SchedulerClient:
         await self._send(msg)
 
     async def abort(self, request_id: str) -> None:
-        self.unsubscribe(request_id)
+        """Abort on behalf of someone else (a cancel by id): the owner's subscription stays, so
+        that its client hears the abort and gets its answer (unsubscribing here hung it)."""
         await self._send(protocol.AbortRequest(request_id))
 
     def abort_soon(self, request_id: str) -> None:
