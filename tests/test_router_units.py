@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from services.router.detokenizer import IncrementalDetokenizer, fast_decoder
+from services.router.detokenizer import IncrementalDetokenizer, TokenTexts, fast_decoder
 from services.router.replicas import pick_replica, prefix_key
 from services.router.stop_strings import StopStrings
 from services.state import Replica
@@ -45,6 +45,17 @@ def test_a_character_cut_off_by_the_end_is_dropped(tokenizer):
     detok = IncrementalDetokenizer(decode, [1])
     pieces = [detok.push(i) for i in ids[:-1]] + [detok.flush()]   # the last byte of "€" never came
     assert "".join(pieces) == "ok " and "\ufffd" not in "".join(pieces)
+
+
+def test_a_token_holding_part_of_a_character_has_no_text_but_its_own_bytes(tokenizer):
+    """Logprob tokens and top-logprob keys as vLLM shows them: "" rather than U+FFFD."""
+    texts = TokenTexts(fast_decoder(tokenizer), tokenizer)
+    euro = tokenizer("€", add_special_tokens=False)["input_ids"]
+    assert len(euro) > 1                                   # split over tokens in this vocabulary
+    assert [texts.text(i) for i in euro] == [""] * len(euro)
+    assert bytes(b for i in euro for b in texts.bytes(i)) == "€".encode()
+    ok = tokenizer("ok", add_special_tokens=False)["input_ids"][0]
+    assert texts.text(ok) == tokenizer.decode([ok]) and texts.bytes(ok) == list(texts.text(ok).encode())
 
 
 def _stream(stops, pieces, include=False):
@@ -178,7 +189,8 @@ def test_updates_that_queued_up_come_out_as_one_batch_and_a_failure_after_them(t
     gen.abort = gen.close = lambda *a: None        # no backend: nothing to abort or record
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     for tid in ids:
-        gen.queue.put_nowait(protocol.RequestUpdate("a", [protocol.CompletionDelta(0, [tid], [-1.0], None, None, -1.0)]))
+        gen.queue.put_nowait(protocol.RequestUpdate(gen.backend_ids[0],
+                                                    [protocol.CompletionDelta(0, [tid], [-1.0], None, None, -1.0)]))
     gen.queue.put_nowait(Failure(503, "gone"))
 
     async def follow():

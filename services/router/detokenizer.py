@@ -64,8 +64,9 @@ def without_cut_character(text: str) -> str:
 
 
 class TokenTexts:
-    """The text of single tokens, for logprobs ("tokens" and top-logprob keys), and their bytes
-    (chat logprobs' "bytes"); cached per id."""
+    """The text of single tokens, for logprobs ("tokens", top-logprob keys, decoded_token), and
+    their bytes (chat logprobs' "bytes"); cached per id. A token that holds only part of a
+    character has no text of its own: "" as vLLM shows it, not U+FFFD; its bytes are its own."""
 
     def __init__(self, decode, tokenizer=None):
         self._decode = decode
@@ -74,13 +75,18 @@ class TokenTexts:
         self.bytes = lru_cache(maxsize=65536)(self._bytes)
 
     def _one(self, token_id: int) -> str:
-        return self._decode([token_id], False)
+        text = self._decode([token_id], False)
+        if REPLACEMENT in text and "\ufffd".encode() not in bytes(self._own_bytes(token_id, text)):
+            return text.replace(REPLACEMENT, "")
+        return text
 
     def _bytes(self, token_id: int) -> list[int]:
-        """The token's own bytes: for a token holding part of a character its text is U+FFFD,
-        whose bytes say nothing; the vocabulary entry has them (byte-level BPE spells each byte
-        as one character; SentencePiece's byte fallback as <0xNN>)."""
-        text = self.text(token_id)
+        return self._own_bytes(token_id, self._decode([token_id], False))
+
+    def _own_bytes(self, token_id: int, text: str) -> list[int]:
+        """For a token holding part of a character its text is U+FFFD, whose bytes say nothing;
+        the vocabulary entry has them (byte-level BPE spells each byte as one character;
+        SentencePiece's byte fallback as <0xNN>)."""
         if REPLACEMENT in text and self._tokenizer is not None:
             piece = self._tokenizer.convert_ids_to_tokens(token_id)
             if isinstance(piece, str):
