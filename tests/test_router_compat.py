@@ -250,6 +250,20 @@ def test_the_developer_role_is_rendered_as_system(client, fake, info):
     assert last_add(fake).prompt_token_ids == info.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("messages,expected", [
+    # Wherever they stand, developer messages join the leading system message, as vLLM 0.32 renders them.
+    ([{"role": "user", "content": "Hi"}, {"role": "developer", "content": "late"}],
+     [{"role": "system", "content": "late"}, {"role": "user", "content": "Hi"}]),
+    ([{"role": "system", "content": "sys"}, {"role": "user", "content": "Hi"}, {"role": "developer", "content": "late"},
+      {"role": "developer", "content": "later"}],
+     [{"role": "system", "content": "sys\n\nlate\n\nlater"}, {"role": "user", "content": "Hi"}]),
+])
+def test_developer_messages_join_the_leading_system_message(client, fake, info, messages, expected):
+    client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    rendered = info.tokenizer.apply_chat_template(expected, add_generation_prompt=True, tokenize=False)
+    assert last_add(fake).prompt_token_ids == info.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 # ---- what else vLLM clients expect -------------------------------------------------------------------
 
 def test_version_ping_and_cors(client):

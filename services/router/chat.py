@@ -47,8 +47,10 @@ async def create_chat_completion(ctx: "RouterContext", request):
 
 # OpenAI's roles; "assistant" and "tool" content may be empty (a tool call without text).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# "developer" is OpenAI's newer name for "system"; chat templates know only the old one.
-TEMPLATE_ROLE = {"developer": "system"}
+# "developer" is OpenAI's newer name for "system"; chat templates know only the old one. As vLLM
+# renders them, developer messages join the leading system message (one is made when there is
+# none), wherever they stand in the conversation, separated by blank lines.
+DEVELOPER_JOIN = "\n\n"
 
 
 def _text(content) -> str:
@@ -77,7 +79,8 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
             raise bad_request(f"messages[{i}] ({m.role}) needs content", f"messages[{i}].content")
         if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
             raise bad_request("only text content parts are supported", f"messages[{i}].content")
-        messages.append({"role": TEMPLATE_ROLE.get(m.role, m.role), "content": _text(m.content)})
+        messages.append({"role": m.role, "content": _text(m.content)})
+    messages = _developer_as_system(messages)
     tok = ctx.info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -91,6 +94,16 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
     return ids
+
+
+def _developer_as_system(messages: list[dict]) -> list[dict]:
+    developer = [m["content"] for m in messages if m["role"] == "developer"]
+    if not developer:
+        return messages
+    rest = [m for m in messages if m["role"] != "developer"]
+    if rest and rest[0]["role"] == "system":
+        return [{"role": "system", "content": DEVELOPER_JOIN.join([rest[0]["content"], *developer])}, *rest[1:]]
+    return [{"role": "system", "content": DEVELOPER_JOIN.join(developer)}, *rest]
 
 
 class ChatFormatter:
