@@ -355,5 +355,7 @@ def test_continuous_usage_stats(client, path, body):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     u = chunks[0]["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    if path.endswith("chat/completions"):        # the role chunk goes before any token (vLLM: 0)
+        assert chunks[0]["choices"][0]["delta"].get("role") == "assistant" and u["completion_tokens"] == 0
     chunks, _ = stream_events(client, path, {**body, "max_tokens": 3, "stream_options": {"continuous_usage_stats": True}})
     assert not any("usage" in c for c in chunks), "as vLLM: only with include_usage"

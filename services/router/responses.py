@@ -63,12 +63,13 @@ def prompt_logprobs_json(gen: Generation, p: int, text) -> list | None:
     return out
 
 
-def running_usage(gen: Generation, index: int) -> dict:
-    """vLLM's continuous_usage_stats: one choice's usage so far (its prompt, its tokens)."""
+def running_usage(gen: Generation, index: int, before_tokens: bool = False) -> dict:
+    """vLLM's continuous_usage_stats: one choice's usage so far (its prompt, its tokens; none yet
+    for the chunks that go before the first token: the role, the echoed prompt)."""
     choice = gen.all_choices[index]
     prompt = len(gen.prompts[index // gen.params.n])
-    return {"prompt_tokens": prompt, "completion_tokens": len(choice.token_ids),
-            "total_tokens": prompt + len(choice.token_ids)}
+    done = 0 if before_tokens else len(choice.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream_options,
@@ -97,19 +98,20 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
         gen.close(None if gen.error else APIError(500, "internal error"))
         raise
 
-    def write(chunks: list[dict]) -> str:
+    def write(chunks: list[dict], before_tokens: bool = False) -> str:
         if continuous:
             for c in chunks:
-                c["usage"] = running_usage(gen, c["choices"][0]["index"])
+                c["usage"] = running_usage(gen, c["choices"][0]["index"], before_tokens)
         return "".join(map(sse, chunks))
 
     async def body():
         try:
             # One write per batch of updates, not per chunk: a router that falls behind catches
             # up in fewer, larger sends (each send costs a trip through starlette and uvicorn).
-            head = fmt.start_chunks() + (fmt.chunks(first) if first is not None else [])
+            head = write(fmt.start_chunks(), before_tokens=True) + \
+                (write(fmt.chunks(first)) if first is not None else "")
             if head:
-                yield write(head)
+                yield head
             async for batch in events:
                 chunks = fmt.chunks(batch)
                 if chunks:
