@@ -33,7 +33,7 @@ async def create_completion(ctx: "RouterContext", request):
                                 prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None)
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
-                     stream=bool(req.stream))
+                     stream=bool(req.stream), true_output_len=req.true_output_len)
     await gen.start()
     echo = [ctx.decode(p, params.skip_special_tokens) for p in prompts] if req.echo else None
     fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo,
