@@ -35,14 +35,19 @@ def summary_of(result: RunResult) -> dict:
     }
 
 
-def write_outputs(result: RunResult, out: str | Path) -> dict:
-    out = Path(out)
+def write_run(out: Path, summary: dict, records: list) -> None:
+    """summary.json and requests.jsonl of a run (a replay's, or a simulation's in virtual time)."""
     out.mkdir(parents=True, exist_ok=True)
-    summary = summary_of(result)
     (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False) + "\n")
     with (out / "requests.jsonl").open("w") as f:
-        for rec in result.records:
+        for rec in records:
             f.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
+
+
+def write_outputs(result: RunResult, out: str | Path) -> dict:
+    out = Path(out)
+    summary = summary_of(result)
+    write_run(out, summary, result.records)
     with (out / "metrics.jsonl").open("w") as f:
         for sample in result.samples:
             f.write(json.dumps(sample, separators=(",", ":")) + "\n")

@@ -193,11 +193,11 @@ class Scheduler:
         head = self.waiting[0] if self.waiting else None
         usage = self.store.kv_usage(head.seqs[0].num_tokens, head.final_len) if head is not None \
             else self.store.kv_usage()
-        self.kv_meter.sample(now, usage, len(self.running))
+        self.kv_meter.sample(now, usage, len(self.running), head is not None)
 
     def kv_breakdown(self) -> dict:
-        """The time-averaged Fig. 2 split (kv_usage.KVUsageMeter.breakdown) and average batch."""
-        return {**self.kv_meter.breakdown(), "avg_batched_requests": self.kv_meter.avg_batched_requests()}
+        """The time-averaged Fig. 2 split and average batch (kv_usage.KVUsageMeter.breakdown)."""
+        return self.kv_meter.breakdown()
 
     def _append_all_at_once(self) -> bool:
         """Give every running sequence the slot for its last sampled token in one store call;
