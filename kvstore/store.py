@@ -452,16 +452,18 @@ class BlockStore:
         blocks past the final length: never filled), external_fragmentation (free slots in free
         runs too short for the region the waiting request needs; only a contiguous policy has
         any), free (the rest). waiting_*: the head of the scheduler's waiting queue, if any.
-        A block shared by several tables counts once, as the most filled of them sees it."""
+        A block shared by several tables counts once, as the most filled of them sees it; the
+        extra key table_slots counts it once per table (what the tables would hold unshared)."""
         bs = self.block_size
-        filled = reserved = 0
+        filled = reserved = table_blocks = 0
         shared: dict[int, tuple[int, int]] = {}
-        refcounts = self._device._refcounts
+        refcount_of = self._device._refcounts.__getitem__
         for t in self._seqs.values():
             if t.location != DEVICE:
                 continue
             n, final, blocks = len(t.token_ids), max(t.final_tokens, len(t.token_ids)), t.blocks
-            if not any(refcounts[b] > 1 for b in blocks):
+            table_blocks += len(blocks)
+            if max(map(refcount_of, blocks), default=1) == 1:   # no block shared (C-level scan)
                 filled += n
                 reserved += min(final, len(blocks) * bs) - n
                 continue
@@ -482,7 +484,7 @@ class BlockStore:
             external = 0
         return {"token_states": filled, "reserved": reserved,
                 "internal_fragmentation": held - filled - reserved, "external_fragmentation": external,
-                "free": self._device.num_free * bs - external}
+                "free": self._device.num_free * bs - external, "table_slots": table_blocks * bs}
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent. O(total blocks): for tests."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loadgen.config import CompareConfig, ReplayConfig, SimulateConfig, SweepConfig
+from loadgen.config import CompareConfig, PaperConfig, ReplayConfig, SimulateConfig, SweepConfig
 from services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
@@ -17,6 +17,7 @@ COMMANDS = {
     "sweep": (SweepConfig, "one replay per request rate, and latency against rate"),
     "compare": (CompareConfig, "several sweeps or replays on the same axes and in one table"),
     "simulate": (SimulateConfig, "the real scheduler and block store against a GPU cost model, in virtual time"),
+    "paper": (PaperConfig, "the PagedAttention paper's figures on the simulator, beside the paper's"),
 }
 
 
@@ -61,6 +62,11 @@ def _run(command: str, cfg) -> int:
               f"s/token, {s['avg_batched_requests']:.2f} requests batched, token states "
               f"{100 * s['kv_token_share']:.1f} % of the KV cache (while saturated: {s['saturated']['avg_batched_requests']:.2f}"
               f" and {100 * s['saturated']['kv_token_share']:.1f} %); summary in {cfg.out}/summary.json")
+        return 0
+    if command == "paper":
+        from loadgen.paper import paper
+        report = paper(cfg)
+        print(f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s; report in {cfg.out}/paper.md")
         return 0
     if command == "sweep":
         result = sweeps.sweep(cfg)

@@ -172,3 +172,14 @@ class SimulateConfig:
     percentiles: list[float] = opt([50.0, 90.0, 99.0], "percentiles to report", check=_percentiles)
     out: str = opt("loadgen-sim", "folder for summary.json, requests.jsonl and report.md")
     label: str | None = opt(None, "name of this run in reports (default: preset, allocation, trace)")
+
+
+@dataclass
+class PaperConfig:
+    out: str = opt("loadgen-paper", "folder for paper.md, paper.json, the plots and every run's summary")
+    num_requests: int = opt(200, "requests per simulated run (the paper's runs are longer; the "
+                                 "saturated figures need only enough to fill the cache)", check=_at_least(20))
+    jobs: int = opt(2, "simulations run at once (processes)", check=_at_least(1))
+    figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
+    seed: int = opt(11, "the workload seed of every run")
+    plots: bool = opt(True, "write PNG plots (matplotlib)")

@@ -116,9 +116,11 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
     while nxt < len(requests) or sched.has_unfinished():
         while nxt < len(requests) and requests[nxt].arrival <= now[0]:
             r = requests[nxt]
+            beam = cfg.beam_width > 1   # beam search is greedy and stops only at max_tokens here
             params = SamplingParams(n=cfg.n, beam_width=cfg.beam_width, max_tokens=r.output_len,
-                                    min_tokens=r.output_len, temperature=1.0 if cfg.n > 1 else 0.0,
-                                    ignore_eos=True, seed=r.index)
+                                    min_tokens=0 if beam else r.output_len,
+                                    temperature=1.0 if cfg.n > 1 and not beam else 0.0,
+                                    ignore_eos=True, seed=None if beam else r.index)
             rid = f"sim-{r.index}"
             sched.add_request(rid, list(r.prompt), params, arrival_time=r.arrival, true_output_len=r.output_len)
             rid_of[rid] = r.index
@@ -183,6 +185,7 @@ def summary_of(result: SimResult) -> dict:
         "avg_batched_requests": kb["avg_batched_requests"],
         "kv_token_share": kb["cache"]["token_states"],
         "kv_breakdown": {"cache": kb["cache"], "allocated": kb["allocated"]},
+        "sharing_saving": kb["sharing_saving"],
         # The same while requests waited (the server saturated): what the paper's figures compare.
         "saturated": {"seconds": sat["seconds"], "avg_batched_requests": sat["avg_batched_requests"],
                       "kv_token_share": sat["cache"]["token_states"],

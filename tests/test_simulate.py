@@ -94,3 +94,16 @@ def test_cli_writes_the_summary(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "loadgen.cli", "simulate", "--preset", "custom"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--model-config" in bad.stderr
+
+
+def test_paper_writes_every_requested_figure_with_the_papers_beside_ours(tmp_path):
+    from loadgen.config import PaperConfig
+    from loadgen.paper import PAPER, paper
+    report = paper(PaperConfig(out=str(tmp_path), num_requests=20, jobs=1, figures=["2", "13", "16"], plots=True))
+    text = (tmp_path / "paper.md").read_text()
+    for heading in ("## Fig. 2", "## Fig. 13", "## Fig. 16"):
+        assert heading in text
+    assert "## Fig. 12" not in text and (tmp_path / "fig2.png").exists() and (tmp_path / "fig13.png").exists()
+    assert f"{PAPER['fig13']['sharegpt']['paged']:.2f}" in text       # the paper's figure beside ours
+    split = report["figures"]["2"]["paged"]
+    assert sum(split.values()) == pytest.approx(1.0)

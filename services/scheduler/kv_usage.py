@@ -18,11 +18,13 @@ class _Window:
     def __init__(self):
         self.slot_seconds = dict.fromkeys(PARTS, 0.0)
         self.request_seconds = 0.0
+        self.table_slot_seconds = 0.0
         self.seconds = 0.0
 
     def add(self, usage: dict[str, int], running: int, dt: float) -> None:
         for part in PARTS:
             self.slot_seconds[part] += usage[part] * dt
+        self.table_slot_seconds += usage["table_slots"] * dt
         self.request_seconds += running * dt
         self.seconds += dt
 
@@ -32,6 +34,8 @@ class _Window:
         return {"cache": {p: (self.slot_seconds[p] / total if total else 0.0) for p in PARTS},
                 "allocated": {p: (self.slot_seconds[p] / held if held else 0.0) for p in ALLOCATED},
                 "avg_batched_requests": self.request_seconds / self.seconds if self.seconds else 0.0,
+                # Slots that sharing saved: 1 - held / what every table would hold on its own.
+                "sharing_saving": 1 - held / self.table_slot_seconds if self.table_slot_seconds else 0.0,
                 "seconds": self.seconds}
 
 
