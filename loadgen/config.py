@@ -177,7 +177,7 @@ class SimulateConfig:
 @dataclass
 class PaperConfig:
     out: str = opt("loadgen-paper", "folder for paper.md, paper.json, the plots and every run's summary")
-    num_requests: int = opt(200, "requests per simulated run (the paper's runs are longer; the "
+    num_requests: int = opt(400, "requests per simulated run (the paper's runs are longer; the "
                                  "saturated figures need only enough to fill the cache)", check=_at_least(20))
     jobs: int = opt(2, "simulations run at once (processes)", check=_at_least(1))
     figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
