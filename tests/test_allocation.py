@@ -180,3 +180,12 @@ def test_kv_breakdown_sums_to_one_over_time():
     assert sum(kb["allocated"].values()) == pytest.approx(1.0)
     assert kb["cache"]["internal_fragmentation"] > 0 and kb["cache"]["reserved"] > 0
     assert kb["seconds"] > 0
+
+
+def test_idle_time_counts_as_an_empty_pool():
+    sched, clock = make("paged", blocks=16)
+    for i in range(2):
+        sched.add_request(f"r{i}", [1] * 3, SamplingParams(max_tokens=5, ignore_eos=True))
+        run(sched, clock)
+        clock[0] += 1000.0            # nothing runs: no step samples the pool meanwhile
+    assert sched.kv_breakdown()["cache"]["free"] > 0.99

@@ -186,9 +186,9 @@ class Scheduler:
         self._sample_kv_usage()
         return out
 
-    def _sample_kv_usage(self) -> None:
+    def _sample_kv_usage(self, force: bool = False) -> None:
         now = self.clock()
-        if not self.kv_meter.due(now):
+        if not force and not self.kv_meter.due(now):
             return
         head = self.waiting[0] if self.waiting else None
         usage = self.store.kv_usage(head.seqs[0].num_tokens, head.final_len) if head is not None \
@@ -527,6 +527,10 @@ class Scheduler:
                 self._finish(req, None)
             if req.status is FINISHED:
                 finished.append(req)
+        if finished and not self.has_unfinished():
+            # Going idle: the empty pool, not the last busy step, stands for the time until the
+            # next request (no step samples while nothing runs).
+            self._sample_kv_usage(force=True)
         return finished
 
     def _add_prompt_logprobs(self, scheduled: ScheduledStep, prompt_logprobs: dict) -> None:
