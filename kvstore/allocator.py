@@ -7,9 +7,12 @@ BlockAllocator owns, for one pool, every block's reference count and where each 
   is left, least recently freed first, and the owner is told (on_evict) so it drops the hash.
 A block is free exactly when its refcount is 0.
 
-AllocationPolicy decides how many blocks a new sequence reserves. PagedPolicy (the default) reserves
-only the blocks its tokens fill; OrcaPolicy reserves one region per request up front, the baselines
-of the PagedAttention paper. The store treats both alike: reserved blocks are used before new ones.
+AllocationPolicy decides how many blocks a new sequence reserves and where they lie. PagedPolicy (the
+default) reserves only the blocks its tokens fill, anywhere in the pool; OrcaPolicy reserves one
+contiguous region per request up front (the baselines of the PagedAttention paper), so free memory
+split into runs too short for the next region is lost to external fragmentation. The store asks the
+policy and never branches on its name: reserved blocks are used before new ones, a contiguous policy
+takes a first-fit run of the free map, and a policy that never swaps or caches prefixes says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 class AllocationPolicy(Protocol):
     name: str
+    contiguous: bool          # a sequence's reserved blocks form one run of block ids
+    swappable: bool           # its sequences may be swapped to the host pool
+    prefix_caching: bool      # it may share cached prefix blocks
+    needs_final_length: bool  # blocks_to_reserve needs the request's true final length
 
     def blocks_to_reserve(self, num_tokens: int, max_total_tokens: int | None, block_size: int) -> int:
         """Blocks a new sequence of num_tokens tokens reserves; at least ceil(num_tokens / B)."""
@@ -34,6 +41,7 @@ class PagedPolicy:
     """PagedAttention: a sequence holds only the blocks its tokens need; it grows block by block."""
 
     name = "paged"
+    contiguous, swappable, prefix_caching, needs_final_length = False, True, True, False
 
     def blocks_to_reserve(self, num_tokens: int, max_total_tokens: int | None, block_size: int) -> int:
         return blocks_for_tokens(num_tokens, block_size)
@@ -43,9 +51,11 @@ class OrcaPolicy:
     """The paper's Orca baselines: reserve the request's whole region at admission.
 
     mode "max": the model's maximum length; "pow2": the next power of two of the request's true
-    final length (prompt + output); "oracle": exactly the true final length."""
+    final length (prompt + output); "oracle": exactly the true final length. Regions are contiguous,
+    held until the request finishes and never swapped; Orca had no prefix cache."""
 
     MODES = ("max", "pow2", "oracle")
+    contiguous, swappable, prefix_caching = True, False, False
 
     def __init__(self, mode: str, max_model_len: int):
         if mode not in self.MODES:
@@ -53,6 +63,7 @@ class OrcaPolicy:
         self.mode = mode
         self.max_model_len = max_model_len
         self.name = f"orca-{mode}"
+        self.needs_final_length = mode != "max"
 
     def blocks_to_reserve(self, num_tokens: int, max_total_tokens: int | None, block_size: int) -> int:
         if self.mode == "max":
@@ -66,6 +77,21 @@ class OrcaPolicy:
         return max(blocks_for_tokens(tokens, block_size), blocks_for_tokens(num_tokens, block_size))
 
 
+ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+
+
+def make_policy(allocation: str, max_model_len: int) -> AllocationPolicy:
+    """The policy named by --allocation (one of ALLOCATIONS)."""
+    if allocation == "paged":
+        return PagedPolicy()
+    if allocation.startswith("orca-"):
+        return OrcaPolicy(allocation[len("orca-"):], max_model_len)
+    raise ValueError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, not {allocation!r}")
+
+
+_FREE, _USED = b"\x01", b"\x00"
+
+
 class BlockAllocator:
     """Refcounts and free blocks of one pool of num_blocks blocks (ids 0 .. num_blocks-1)."""
 
@@ -75,6 +101,9 @@ class BlockAllocator:
         self._clean: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
         self._on_evict = on_evict
+        # One byte per block, 1 when free: contiguous runs are found and measured by C-level
+        # bytes searches (find, split) instead of Python loops over the pool.
+        self._free_map = bytearray(_FREE * num_blocks)
 
     @property
     def num_free(self) -> int:
@@ -114,8 +143,33 @@ class BlockAllocator:
                 if self._on_evict is not None:
                     self._on_evict(block)
             self._refcounts[block] = 1
+            self._free_map[block] = 0
             out.append(block)
         return out
+
+    def allocate_run(self, n: int) -> list[int] | None:
+        """n consecutive blocks at refcount 1, the lowest-addressed free run that holds them (first
+        fit); None when no free run is that long, however many blocks are free in all."""
+        if n <= 0:
+            return []
+        start = self._free_map.find(_FREE * n)
+        if start < 0:
+            return None
+        run = range(start, start + n)
+        taken = set(run)
+        for block in run:
+            if block in self._evictable:
+                del self._evictable[block]
+                if self._on_evict is not None:
+                    self._on_evict(block)
+            self._refcounts[block] = 1
+        self._clean = deque(b for b in self._clean if b not in taken)
+        self._free_map[start:start + n] = _USED * n
+        return list(run)
+
+    def free_runs(self) -> list[int]:
+        """Lengths of the maximal runs of consecutive free blocks."""
+        return [len(r) for r in self._free_map.split(_USED) if r]
 
     def incref(self, block: int) -> None:
         """One more holder; a cached free block (a prefix hit) comes back out of the LRU."""
@@ -123,6 +177,7 @@ class BlockAllocator:
             if block not in self._evictable:
                 raise RuntimeError(f"block {block} is free and uncached: nothing to revive")
             del self._evictable[block]
+            self._free_map[block] = 0
         self._refcounts[block] += 1
 
     def decref(self, block: int, keep_cached: bool) -> None:
@@ -131,6 +186,7 @@ class BlockAllocator:
             raise RuntimeError(f"block {block} freed more often than held")
         self._refcounts[block] -= 1
         if self._refcounts[block] == 0:
+            self._free_map[block] = 1
             if keep_cached:
                 self._evictable[block] = None
             else:

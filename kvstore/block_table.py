@@ -26,6 +26,7 @@ class SequenceTable:
     reserved_blocks: int = 0            # what the policy reserved at admission
     hashes: list[bytes] = field(default_factory=list)  # chained keys of full blocks, computed lazily
     num_registered: int = 0             # leading full blocks already offered to the prefix index
+    final_tokens: int = 0               # the length it is expected to reach (splits empty slots)
 
     @property
     def num_tokens(self) -> int:
@@ -42,4 +43,4 @@ class SequenceTable:
         return SequenceTable(blocks=list(self.blocks), token_ids=list(self.token_ids),
                              extra_keys=self.extra_keys, location=self.location,
                              reserved_blocks=self.reserved_blocks, hashes=list(self.hashes),
-                             num_registered=self.num_registered)
+                             num_registered=self.num_registered, final_tokens=self.final_tokens)

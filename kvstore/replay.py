@@ -70,7 +70,7 @@ def encode_result(r: Any) -> Any:
 # per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
 _READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "swap_in_blocks_needed", "can_swap_out",
           "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "num_tokens_of", "location", "token_ids", "slot_mapping",
-          "refcount", "evictable_blocks", "block_hash", "stats", "check_invariants")
+          "refcount", "evictable_blocks", "block_hash", "stats", "kv_usage", "check_invariants")
 
 
 class RecordingStore:

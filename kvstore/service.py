@@ -30,6 +30,7 @@ from kernels.device import on_device
 from kvstore.cuda_sync import CopySync, NoSync
 from kvstore.pool import BlockPool, unique_pool_name, warm_up
 from kvstore.replay import ReplicaDiverged, apply_ops
+from kvstore.allocator import ALLOCATIONS, make_policy
 from kvstore.sizing import PoolSizing
 from kvstore.store import BlockStore
 from services import protocol
@@ -48,6 +49,8 @@ class Config:
     block_bytes: int = 0                 # of one block on one rank; required (the model decides it)
     tp_size: int = 1                     # one device pool and one host pool per rank
     enable_prefix_caching: bool = True
+    allocation: str = "paged"            # kvstore.allocator.ALLOCATIONS
+    max_model_len: int = 2048            # the context orca-max reserves per request
     device: str = "cpu"                  # where the device pools live: cpu (shared memory) or cuda
     gpu_memory_utilization: float = 0.0  # > 0 (CUDA): size the device pools once the workers have
                                          # profiled (kvstore/sizing.py); num_device_blocks is unused
@@ -69,6 +72,10 @@ class Config:
             raise ValueError("--block-size must be positive")
         if self.block_bytes < 1:
             raise ValueError("--block-bytes must be positive (bytes of one block on one worker rank)")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"--allocation must be one of {', '.join(ALLOCATIONS)}")
+        if self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be at least 1")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -88,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one block on one tensor-parallel rank (required)")
     p.add_argument("--tp-size", type=int, default=Config.tp_size)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--allocation", default=Config.allocation, choices=ALLOCATIONS,
+                   help="block allocation policy (orca-*: the paper's contiguous-region baselines)")
+    p.add_argument("--max-model-len", type=int, default=Config.max_model_len, help="what orca-max reserves")
     p.add_argument("--device", default=Config.device, help="cpu or cuda")
     p.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization,
                    help="CUDA: the fraction of each GPU this replica may use; the device pools are "
@@ -99,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     return Config(num_device_blocks=args.num_device_blocks, num_host_blocks=args.num_host_blocks,
                   block_size=args.block_size, block_bytes=args.block_bytes, tp_size=args.tp_size,
-                  enable_prefix_caching=not args.no_prefix_caching, device=args.device,
+                  enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
+                  max_model_len=args.max_model_len, device=args.device,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   endpoint=args.endpoint, log_level=args.log_level)
 
@@ -163,6 +174,7 @@ def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
         device_pool_names=[p.name for p in pools.device], host_pool_names=[p.name for p in pools.host],
         device="cpu" if config.device == "cpu" else "cuda",
         enable_prefix_caching=config.enable_prefix_caching,
+        allocation=config.allocation, max_model_len=config.max_model_len,
         ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device),
         event_handles=copies_events, step_event_handles=step_events)
 
@@ -260,7 +272,8 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
                 warm_up(pool)   # before anyone is answered: no compile inside the loop
             def make_store() -> BlockStore:
                 return BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
-                                  config.enable_prefix_caching, pools.device, pools.host)
+                                  config.enable_prefix_caching, pools.device, pools.host,
+                                  policy=make_policy(config.allocation, config.max_model_len))
             sync = NoSync() if config.device == "cpu" else CopySync([str(p.device) for p in pools.device])
             service = KVStoreService(make_store, pool_info(config, pools, sync), sync)
         except (OSError, ValueError, RuntimeError) as e:

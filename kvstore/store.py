@@ -78,7 +78,7 @@ class BlockStore:
         self.policy: AllocationPolicy = policy if policy is not None else PagedPolicy()
         self.device_pools = tuple(device_pools)
         self.host_pools = tuple(host_pools)
-        self._index = PrefixIndex() if enable_prefix_caching else None
+        self._index = PrefixIndex() if enable_prefix_caching and self.policy.prefix_caching else None
         self._device = BlockAllocator(num_device_blocks,
                                       on_evict=self._index.drop if self._index is not None else None)
         self._host = BlockAllocator(num_host_blocks)
@@ -107,13 +107,17 @@ class BlockStore:
         """Whether a new sequence of num_tokens fits even with no prefix hit (so a True is a
         promise: hits only lower the need, by at least as many blocks as they take off the LRU)."""
         need = self.policy.blocks_to_reserve(num_tokens, max_total_tokens, self.block_size)
+        if self.policy.contiguous:
+            return need <= max(self._device.free_runs(), default=0)
         return need <= self._device.num_free
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_keys: tuple = (),
                  max_total_tokens: int | None = None) -> AllocResult:
         """Admit a sequence: reuse the longest cached prefix, then reserve blocks for the rest.
 
-        max_total_tokens (prompt + most output) only matters to reserving policies (Orca)."""
+        max_total_tokens: the request's final length (prompt + its true output length where known,
+        else + max_tokens). Reserving policies (Orca) size their region by it; every policy keeps
+        it to split empty slots into reserved and internally fragmented (kv_usage)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if len(token_ids) == 0:
@@ -131,13 +135,20 @@ class BlockStore:
         if new > self._device.num_free - revived_from_lru:
             return AllocResult(False, 0, f"needs {new} new device blocks, "
                                          f"{self._device.num_free - revived_from_lru} free")
-        # Revive hits before allocating, else allocation could evict the very blocks we hit.
-        for b in hits:
-            self._device.incref(b)
-        blocks = hits + self._device.allocate(new)
+        if self.policy.contiguous:   # no prefix cache under these policies: hits is empty
+            blocks = self._device.allocate_run(new)
+            if blocks is None:
+                return AllocResult(False, 0, f"needs a run of {new} contiguous device blocks, the longest "
+                                             f"free run is {max(self._device.free_runs(), default=0)}")
+        else:
+            # Revive hits before allocating, else allocation could evict the very blocks we hit.
+            for b in hits:
+                self._device.incref(b)
+            blocks = hits + self._device.allocate(new)
         self._seqs[seq_id] = SequenceTable(blocks=blocks, token_ids=tokens, extra_keys=extras,
                                            location=DEVICE, reserved_blocks=reserve, hashes=hashes,
-                                           num_registered=len(hits))
+                                           num_registered=len(hits),
+                                           final_tokens=max_total_tokens or len(tokens))
         cached = len(hits) * self.block_size
         if self._index is not None:
             self._counters["prefix_queries_tokens"] += len(tokens)
@@ -301,7 +312,8 @@ class BlockStore:
     # ---- preemption by swapping ------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
-        return len(self._group_refs(self._tables(seq_ids, DEVICE))) <= self._host.num_free
+        tables = self._tables(seq_ids, DEVICE)
+        return self.policy.swappable and len(self._group_refs(tables)) <= self._host.num_free
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> bool:
         return len(self._group_refs(self._tables(seq_ids, HOST))) <= self._device.num_free
@@ -315,7 +327,10 @@ class BlockStore:
 
     def swap_out(self, seq_ids: Iterable[int]) -> SwapResult:
         """Move a group (one request's sequences) to the host pool, all or nothing."""
-        return self._swap(self._tables(seq_ids, DEVICE), DEVICE, HOST)
+        tables = self._tables(seq_ids, DEVICE)
+        if not self.policy.swappable:
+            return SwapResult(False, [], f"{self.policy.name} never swaps")
+        return self._swap(tables, DEVICE, HOST)
 
     def swap_in(self, seq_ids: Iterable[int]) -> SwapResult:
         """Bring a swapped group back to the device pool, all or nothing."""
@@ -430,6 +445,47 @@ class BlockStore:
             out[name] = self._counters[name]
         return out
 
+    def kv_usage(self, waiting_tokens: int | None = None, waiting_final: int | None = None) -> dict[str, int]:
+        """The device pool's token slots split as the paper's Fig. 2 (they sum to the pool):
+        token_states (slots holding a token), reserved (empty slots below the sequence's final
+        length: its future tokens will fill them), internal_fragmentation (empty slots of held
+        blocks past the final length: never filled), external_fragmentation (free slots in free
+        runs too short for the region the waiting request needs; only a contiguous policy has
+        any), free (the rest). waiting_*: the head of the scheduler's waiting queue, if any.
+        A block shared by several tables counts once, as the most filled of them sees it; the
+        extra key table_slots counts it once per table (what the tables would hold unshared)."""
+        bs = self.block_size
+        filled = reserved = table_blocks = 0
+        shared: dict[int, tuple[int, int]] = {}
+        refcount_of = self._device._refcounts.__getitem__
+        for t in self._seqs.values():
+            if t.location != DEVICE:
+                continue
+            n, final, blocks = len(t.token_ids), max(t.final_tokens, len(t.token_ids)), t.blocks
+            table_blocks += len(blocks)
+            if max(map(refcount_of, blocks), default=1) == 1:   # no block shared (C-level scan)
+                filled += n
+                reserved += min(final, len(blocks) * bs) - n
+                continue
+            for i, b in enumerate(blocks):   # forks and beams: per block, each block once
+                f = min(bs, max(0, n - i * bs))
+                r = min(bs, max(0, final - i * bs)) - f
+                old = shared.get(b)
+                shared[b] = (f, r) if old is None or f > old[0] else old
+        for f, r in shared.values():
+            filled += f
+            reserved += r
+        held = self._device.num_used * bs
+        runs = self._device.free_runs() if self.policy.contiguous and waiting_tokens else []
+        if runs:
+            need = self.policy.blocks_to_reserve(waiting_tokens, waiting_final, bs)
+            external = sum(r for r in runs if r < need) * bs
+        else:
+            external = 0
+        return {"token_states": filled, "reserved": reserved,
+                "internal_fragmentation": held - filled - reserved, "external_fragmentation": external,
+                "free": self._device.num_free * bs - external, "table_slots": table_blocks * bs}
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent. O(total blocks): for tests."""
         held = {DEVICE: Counter(), HOST: Counter()}
@@ -442,6 +498,10 @@ class BlockStore:
             want = max(blocks_for_tokens(t.num_tokens, self.block_size), t.reserved_blocks)
             _require(len(t.blocks) == want, f"seq {seq_id}: {len(t.blocks)} blocks for "
                                             f"{t.num_tokens} tokens, expected {want}")
+            if self.policy.contiguous and t.location == DEVICE:
+                region = t.blocks[:t.reserved_blocks]
+                _require(region == list(range(region[0], region[0] + len(region))),
+                         f"seq {seq_id}: its region {region} is not contiguous")
             _require(t.num_registered * self.block_size <= t.num_tokens,
                      f"seq {seq_id} registered past its tokens")
             if t.location == DEVICE and self._index is not None:

@@ -1,5 +1,6 @@
 """`loadgen`: replay traces against any OpenAI-compatible server (`replay`), sweep request rates
-(`sweep`), and put runs side by side (`compare`). Options: loadgen.config; `loadgen CMD --help`.
+(`sweep`), put runs side by side (`compare`), and run the project's own scheduler and block store
+against a GPU cost model in virtual time (`simulate`). Options: loadgen.config; `loadgen CMD --help`.
 
 A run that cannot start (server down, bad trace, bad flag) is one line on stderr and exit 2.
 """
@@ -9,13 +10,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadgen.config import CompareConfig, ReplayConfig, SweepConfig
+from loadgen.config import CompareConfig, PaperConfig, ReplayConfig, SimulateConfig, SweepConfig
 from services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
     "replay": (ReplayConfig, "replay a workload once and write its report"),
     "sweep": (SweepConfig, "one replay per request rate, and latency against rate"),
     "compare": (CompareConfig, "several sweeps or replays on the same axes and in one table"),
+    "simulate": (SimulateConfig, "the real scheduler and block store against a GPU cost model, in virtual time"),
+    "paper": (PaperConfig, "the PagedAttention paper's figures on the simulator, beside the paper's"),
 }
 
 
@@ -65,6 +68,23 @@ def _run(command: str, cfg) -> int:
         summary = write_outputs(replay(cfg), cfg.out)
         print(_one_line(summary) + f"; report in {cfg.out}/report.md")
         return 130 if summary["interrupted"] else 0
+    if command == "simulate":
+        from loadgen.simulate import simulate, write_outputs as write_sim
+        try:
+            s = write_sim(simulate(cfg), cfg.out)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        print(f"{s['completed']} completed in {s['duration']:.1f} simulated s ({s['wall_seconds']:.1f} s here): "
+              f"{s['request_throughput']:.2f} req/s, normalized latency {s['mean_normalized_latency_s_per_token']:.3f} "
+              f"s/token, {s['avg_batched_requests']:.2f} requests batched, token states "
+              f"{100 * s['kv_token_share']:.1f} % of the KV cache (while saturated: {s['saturated']['avg_batched_requests']:.2f}"
+              f" and {100 * s['saturated']['kv_token_share']:.1f} %); summary in {cfg.out}/summary.json")
+        return 0
+    if command == "paper":
+        from loadgen.paper import paper
+        report = paper(cfg)
+        print(f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s; report in {cfg.out}/paper.md")
+        return 0
     if command == "sweep":
         result = sweeps.sweep(cfg)
         for row in result["rows"]:

@@ -33,6 +33,7 @@ class Target:
     stream: bool = True
     temperature: float = 0.0
     force_output_len: bool = True
+    send_true_output_len: bool = False   # pagedserve's Orca baselines reserve it; other servers reject it
 
     @property
     def path(self) -> str:
@@ -54,6 +55,8 @@ class Target:
         if self.force_output_len:
             body["ignore_eos"] = True
             body["min_tokens"] = req.output_len
+        if self.send_true_output_len:
+            body["true_output_len"] = req.output_len
         return body
 
 

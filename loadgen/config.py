@@ -86,6 +86,8 @@ class ReplayConfig:
     stream: bool = opt(True, "stream responses (SSE); TTFT, TPOT and ITL need it")
     temperature: float = opt(0.0, "sampling temperature sent", check=lambda v: v >= 0 or "must be >= 0")
     force_output_len: bool = opt(True, "send ignore_eos and min_tokens so that every output has its length")
+    send_true_output_len: bool = opt(False, "send each request's output length as true_output_len (pagedserve "
+                                            "--allocation orca-pow2/orca-oracle reserve it; other servers reject it)")
     timeout: float = opt(600.0, "seconds a request may take before it counts as a timeout", check=_positive)
     # report
     percentiles: list[float] = opt([50.0, 90.0, 99.0], "percentiles to report", check=_percentiles)
@@ -137,3 +139,53 @@ class CompareConfig:
     dirs: list[str] = opt([], "sweep or replay folders to put side by side", positional=True, metavar="DIR")
     labels: list[str] = opt([], "a name for each folder (default: the folder's label)")
     out: str = opt("loadgen-compare", "folder for compare.md and compare.png")
+
+
+PRESET_NAMES = ("opt-13b-a100-40g", "opt-66b-4xa100", "opt-175b-8xa100-80g", "custom")
+ALLOCATION_NAMES = ("paged", "orca-max", "orca-pow2", "orca-oracle")   # kvstore.allocator.ALLOCATIONS
+
+
+@dataclass
+class SimulateConfig:
+    # the simulated server
+    preset: str = opt("opt-13b-a100-40g", "model and GPUs (the paper's setups), or custom", choices=PRESET_NAMES)
+    model_config: str | None = opt(None, "custom: a model's config.json")
+    gpu_flops: float = opt(312e12, "custom: peak fp16 FLOP/s per GPU", check=_positive)
+    gpu_mem_bw: float = opt(1.555e12, "custom: memory bytes/s per GPU", check=_positive)
+    num_gpus: int = opt(1, "custom: GPUs (tensor parallel)", check=_at_least(1))
+    kv_cache_gib: float | None = opt(None, "KV pool in GiB (default: the preset's)", check=_positive)
+    allocation: str = opt("paged", "the block store's policy", choices=ALLOCATION_NAMES)
+    batching: str = opt("iteration", "iteration, or request (FasterTransformer: with orca-max)",
+                        choices=("iteration", "request"))
+    block_size: int = opt(16, "tokens per KV block", check=_at_least(1))
+    preemption_mode: str = opt("recompute", "swap | recompute | auto", choices=("swap", "recompute", "auto"))
+    swap_space_gib: float = opt(0.0, "host pool for swapped blocks, GiB", check=lambda v: v >= 0 or "must be >= 0")
+    prefix_caching: bool = opt(True, "prefix caching (always off under the Orca policies)")
+    max_num_seqs: int = opt(256, "most sequences in a step", check=_at_least(1))
+    max_num_batched_tokens: int = opt(4096, "most tokens in a step", check=_at_least(1))
+    # the workload
+    trace: str = opt("sharegpt", f"workload: one of {', '.join(TRACE_NAMES)}, or a JSONL file")
+    num_requests: int = opt(1000, "requests", check=_at_least(1))
+    rate: float = opt(math.inf, "requests per second (Poisson), or inf", check=_positive)
+    burstiness: float = opt(1.0, "gamma shape of the gaps (1: Poisson)", check=_positive)
+    fit: str = opt("filter", "fit lengths to the context: filter (the paper's) or scale", choices=FIT_MODES)
+    n: int = opt(1, "parallel samples per request", check=_at_least(1))
+    beam_width: int = opt(1, "beam search width (1: none)", check=_at_least(1))
+    shared_prefix_len: int = opt(0, "tokens of one prefix every prompt starts with (a few-shot prompt)",
+                                 check=_at_least(0))
+    seed: int = opt(0, "fixes every draw: lengths, arrivals, prompts")
+    # report
+    percentiles: list[float] = opt([50.0, 90.0, 99.0], "percentiles to report", check=_percentiles)
+    out: str = opt("loadgen-sim", "folder for summary.json, requests.jsonl and report.md")
+    label: str | None = opt(None, "name of this run in reports (default: preset, allocation, trace)")
+
+
+@dataclass
+class PaperConfig:
+    out: str = opt("loadgen-paper", "folder for paper.md, paper.json, the plots and every run's summary")
+    num_requests: int = opt(400, "requests per simulated run (the paper's runs are longer; the "
+                                 "saturated figures need only enough to fill the cache)", check=_at_least(20))
+    jobs: int = opt(2, "simulations run at once (processes)", check=_at_least(1))
+    figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
+    seed: int = opt(11, "the workload seed of every run")
+    plots: bool = opt(True, "write PNG plots (matplotlib)")

@@ -99,6 +99,34 @@ def rate_plot(series: dict[str, list[dict]], path: Path, limit: float | None = N
     return _save(fig, path)
 
 
+def stacked_shares(data: dict[str, dict[str, float]], path: Path) -> str:
+    """One stacked bar per label of its parts' shares (0-1): the KV split of Fig. 2."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = list(data)
+    bottom = np.zeros(len(labels))
+    for part in next(iter(data.values())):
+        values = np.array([data[label][part] for label in labels])
+        ax.bar(labels, values, bottom=bottom, label=part.replace("_", " "))
+        bottom += values
+    ax.set_ylabel("share of the KV cache")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def grouped_bars(data: dict[str, dict[str, float]], path: Path, ylabel: str) -> str:
+    """{group: {series: value}} as bars side by side per group (Fig. 13)."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    groups = list(data)
+    series = list(data[groups[0]])
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        ax.bar([k + i * width for k in range(len(groups))], [data[g][name] for g in groups], width, label=name)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(groups))], groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=90)

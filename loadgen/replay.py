@@ -61,7 +61,7 @@ async def run_replay(cfg: ReplayConfig, plan: Plan | None = None) -> RunResult:
         if plan is None:
             plan = make_plan(cfg, server)
         target = Target(cfg.url.rstrip("/"), server.model, cfg.endpoint, cfg.api_key, cfg.stream,
-                        cfg.temperature, cfg.force_output_len)
+                        cfg.temperature, cfg.force_output_len, cfg.send_true_output_len)
         return await _run(session, cfg, server, plan, target)
 
 

@@ -37,6 +37,15 @@ def summary_of(result: RunResult) -> dict:
     }
 
 
+def write_run(out: Path, summary: dict, records: list) -> None:
+    """summary.json and requests.jsonl of a run (a replay's, or a simulation's in virtual time)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False) + "\n")
+    with (out / "requests.jsonl").open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
+
+
 def write_outputs(result: RunResult, out: str | Path) -> dict:
     """Every file of the run. Ctrl-C is held off meanwhile (a few seconds, mostly plotting): an
     interrupted run's report must come out whole, not stop halfway through its plots."""
@@ -50,12 +59,8 @@ def write_outputs(result: RunResult, out: str | Path) -> dict:
 
 
 def _write(result: RunResult, out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
     summary = summary_of(result)
-    (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False) + "\n")
-    with (out / "requests.jsonl").open("w") as f:
-        for rec in result.records:
-            f.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
+    write_run(out, summary, result.records)
     with (out / "metrics.jsonl").open("w") as f:
         for sample in result.samples:
             f.write(json.dumps(sample, separators=(",", ":")) + "\n")

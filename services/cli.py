@@ -21,6 +21,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--allocation", default="paged", help="paged | orca-max | orca-pow2 | orca-oracle")
+    p.add_argument("--batching", default="iteration", help="iteration | request (FasterTransformer-style)")
 
 
 def _engine_config(args):
@@ -29,7 +31,8 @@ def _engine_config(args):
                         num_device_blocks=args.num_device_blocks, swap_space_gib=args.swap_space,
                         preemption_mode=args.preemption_mode,
                         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens).validate()
+                        max_num_batched_tokens=args.max_num_batched_tokens, allocation=args.allocation,
+                        batching=args.batching).validate()
 
 
 def cmd_tiny_model(args) -> int:

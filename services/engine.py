@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 
+from kvstore.allocator import make_policy
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.store import BlockStore
 from services.engine_config import ConfigError, EngineConfig
@@ -86,14 +87,16 @@ class Engine:
             raise
         self.store = BlockStore(num_device, num_host, config.block_size,
                                 enable_prefix_caching=config.enable_prefix_caching,
-                                device_pools=[self.device_pool], host_pools=[self.host_pool])
+                                device_pools=[self.device_pool], host_pools=[self.host_pool],
+                                policy=make_policy(config.allocation, self.max_model_len))
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
                                   self.dtype, config.device)
         self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
-            eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size), self.store, clock=time.monotonic)
+            eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size, batching=config.batching),
+            self.store, clock=time.monotonic)
         self._request_ids = itertools.count()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -106,9 +109,9 @@ class Engine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, true_output_len: int | None = None) -> str:
         request_id = request_id or f"req-{next(self._request_ids)}"
-        self.scheduler.add_request(request_id, self.tokenize(prompt), params)
+        self.scheduler.add_request(request_id, self.tokenize(prompt), params, true_output_len=true_output_len)
         return request_id
 
     def step(self) -> list[Request]:
@@ -119,17 +122,20 @@ class Engine:
         return self.scheduler.update(scheduled, results, prompt_logprobs)
 
     def generate(self, prompts: list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order.
+                 params: SamplingParams | list[SamplingParams],
+                 true_output_lens: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. true_output_lens: each request's
+        true output length, for the allocations that reserve it (orca-pow2, orca-oracle).
 
         A bad request (sampling params out of range, prompt too long) raises before any is queued."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or one for all")
+        lens = true_output_lens if true_output_lens is not None else [None] * len(prompts)
+        if len(plist) != len(prompts) or len(lens) != len(prompts):
+            raise ValueError("one SamplingParams (and true output length) per prompt, or one for all")
         ids = [self.tokenize(p) for p in prompts]
-        for i, p in zip(ids, plist):
-            self.scheduler.check_request(i, p)
-        order = [self.add_request(i, p) for i, p in zip(ids, plist)]
+        for i, p, n in zip(ids, plist, lens):
+            self.scheduler.check_request(i, p, n)
+        order = [self.add_request(i, p, true_output_len=n) for i, p, n in zip(ids, plist, lens)]
         while self.scheduler.has_unfinished():
             self.step()
         return [self.output_of(self.scheduler.pop_finished(rid)) for rid in order]
@@ -149,8 +155,9 @@ class Engine:
                              req.prompt_logprobs if p.prompt_logprobs is not None else None)
 
     def stats(self) -> dict:
-        """Block-store counts plus the scheduler's (preemptions and why, swaps, recomputed tokens)."""
-        return {**self.store.stats(), **dict(self.scheduler.stats)}
+        """Block-store counts plus the scheduler's (preemptions and why, swaps, recomputed tokens) and
+        the time-averaged KV split (kv_breakdown)."""
+        return {**self.store.stats(), **dict(self.scheduler.stats), "kv_breakdown": self.scheduler.kv_breakdown()}
 
     def close(self) -> None:
         self.runner = self.worker = None   # drop the views of the pool before unmapping it

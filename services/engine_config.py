@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from services.worker.model_loader import DTYPES
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")
+ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")   # kvstore.allocator.make_policy's names
+BATCHING = ("iteration", "request")
 
 
 class ConfigError(ValueError):
@@ -29,6 +31,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None       # None: the model's own
     seed: int = 0
+    allocation: str = "paged"              # the block store's policy; orca-* are the paper's baselines
+    batching: str = "iteration"            # request: FasterTransformer-style, a batch runs until all finish
 
     def validate(self) -> "EngineConfig":
         bs = self.block_size
@@ -58,9 +62,22 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("--max-num-batched-tokens must be at least --max-num-seqs "
                               f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
+        check_allocation(self.allocation, self.batching)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         return self
 
     def blocks_for(self, memory_gib: float, block_bytes: int) -> int:
         return int(memory_gib * (1 << 30)) // block_bytes
+
+
+def check_allocation(allocation: str, batching: str) -> None:
+    """The one check of --allocation and --batching, for every process that takes them."""
+    if allocation not in ALLOCATIONS:
+        raise ConfigError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+    if batching not in BATCHING:
+        raise ConfigError(f"--batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    if batching == "request" and allocation != "orca-max":
+        # FasterTransformer reserves the model's whole length per request, as Orca Max does.
+        raise ConfigError("--batching request sizes its batches as Orca Max reserves memory: "
+                          "use it with --allocation orca-max")

@@ -44,6 +44,8 @@ class Config:
     max_num_batched_tokens: int = 2048
     worker_threads: int = 0                # 0: auto (CPU: every core, split between the TP ranks)
     enable_prefix_caching: bool = True
+    allocation: str = "paged"              # the kvstore's policy: paged, or an Orca baseline
+    batching: str = "iteration"            # the scheduler's: iteration, or request (FasterTransformer)
     ready_timeout_s: float = 300.0
     log_level: str = "INFO"
     extra_router_args: list[str] = field(default_factory=list)
@@ -54,7 +56,8 @@ class Config:
                      num_device_blocks=self.num_device_blocks, swap_space_gib=self.swap_space_gib,
                      gpu_memory_utilization=self.gpu_memory_utilization,
                      preemption_mode=self.preemption_mode, max_num_seqs=self.max_num_seqs,
-                     max_num_batched_tokens=self.max_num_batched_tokens).validate()
+                     max_num_batched_tokens=self.max_num_batched_tokens, allocation=self.allocation,
+                     batching=self.batching).validate()
         if self.routers < 1:
             raise ValueError("--routers must be at least 1")
         if self.routers > 1 and not self.redis_url:
@@ -99,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=0,
                    help="torch threads per worker; 0 = auto (on CPU every core, split between the ranks)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--allocation", default="paged",
+                   help="paged | orca-max | orca-pow2 | orca-oracle (the paper's contiguous baselines)")
+    p.add_argument("--batching", default="iteration", help="iteration | request (FasterTransformer-style)")
     p.add_argument("--log-level", default="INFO")
     add_cors_arguments(p)     # the routers' own flags, passed through
 
@@ -111,7 +117,8 @@ def config_from_args(args) -> Config:
                   swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
                   tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
-                  enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level.upper(),
+                  enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
+                  batching=args.batching, log_level=args.log_level.upper(),
                   extra_router_args=cors_argv(args)).validate()
 
 
@@ -153,7 +160,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, *device_pool,
                                "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
                                "--block-bytes", str(block_bytes), "--tp-size", str(cfg.tensor_parallel),
-                               "--device", cfg.device]
+                               "--device", cfg.device, "--allocation", cfg.allocation,
+                               "--max-model-len", str(spec.max_model_len)]
                               + ([] if cfg.enable_prefix_caching else ["--no-prefix-caching"]))]
     dist = f"tcp://127.0.0.1:{_free_port()}"
     threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
@@ -170,7 +178,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
                                      "--max-num-seqs", str(cfg.max_num_seqs),
                                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-                                     "--preemption-mode", cfg.preemption_mode, "--log-level", cfg.log_level,
+                                     "--preemption-mode", cfg.preemption_mode, "--batching", cfg.batching,
+                                     "--log-level", cfg.log_level,
                                      "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}"]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
     for i in range(cfg.routers):

@@ -70,6 +70,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: dict                         # SamplingParams.to_dict()
     arrival_time: float = 0.0
+    true_output_len: int | None = None   # a benchmark's true output length (the Orca baselines reserve it)
 
 
 @dataclass
@@ -151,6 +152,8 @@ class PoolInfo:
     host_pool_names: list[str]
     device: str = "cpu"
     enable_prefix_caching: bool = True   # the scheduler's mirror must run the same policy
+    allocation: str = "paged"            # kvstore.allocator.make_policy(allocation, max_model_len)
+    max_model_len: int = 0               # what orca-max reserves per request
     ipc_handles: list = field(default_factory=list)   # CUDA only: pickled IPC handles per rank
     event_handles: list = field(default_factory=list) # CUDA only: the copies_done event per rank
     step_event_handles: list = field(default_factory=list)   # CUDA only: the step_done event per rank

@@ -426,3 +426,23 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_cached_prefixes(t
             assert lp == pytest.approx(ref[i, p[i + 1]].item(), abs=1e-5)
             assert rank == int((ref[i] > ref[i, p[i + 1]]).sum()) + 1
             assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("allocation", ["orca-max", "orca-pow2", "orca-oracle"])
+def test_orca_allocations_give_the_same_greedy_output_in_a_tight_pool(make_engine, reference_outputs, allocation):
+    # 12 blocks of 16: one orca-max region (the model's whole context) would not fit, so orca-max
+    # runs with a shorter context; every request waits its turn instead of failing or swapping.
+    kw = {"max_model_len": 64} if allocation == "orca-max" else {}
+    engine = make_engine(num_device_blocks=12, allocation=allocation, preemption_mode="swap", **kw)
+    outs = engine.generate(PROMPTS, GREEDY, true_output_lens=[GREEDY.max_tokens] * len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in outs] == reference_outputs[1]
+    stats = engine.stats()
+    assert stats.get("preemptions", 0) == 0 and stats["swap_outs"] == 0
+    assert sum(stats["kv_breakdown"]["cache"].values()) == pytest.approx(1.0)
+
+
+def test_allocation_flags_are_checked(tiny_llama):
+    with pytest.raises(ConfigError, match="--allocation"):
+        EngineConfig(model=tiny_llama, allocation="buddy").validate()
+    with pytest.raises(ConfigError, match="orca-max"):
+        EngineConfig(model=tiny_llama, batching="request").validate()

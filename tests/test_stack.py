@@ -170,6 +170,25 @@ def test_metrics_and_kv(stack):
     assert kv["device_blocks_total"] == 256
 
 
+def test_orca_stack_reserves_true_lengths_and_reports_the_kv_split(tiny_llama):
+    """--allocation orca-oracle through the processes: a request without true_output_len is a 400,
+    one with it is served; /v1/kv and /metrics carry the Fig. 2 split."""
+    import httpx
+    s = Stack(tiny_llama, "--num-device-blocks", "32", "--allocation", "orca-oracle")
+    try:
+        body = {"model": tiny_llama, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 400 and "true_output_len" in r.json()["error"]["message"], r.text
+        r = httpx.post(s.url + "/v1/completions", json={**body, "true_output_len": 8}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        split = get_json(s.url + "/v1/kv")["kv_breakdown"]
+        assert sum(split["cache"].values()) == pytest.approx(1.0) and split["cache"]["token_states"] > 0
+        with urllib.request.urlopen(s.url + "/metrics", timeout=30) as m:
+            assert 'pagedserve:kv_breakdown{model_name=' in m.read().decode()
+    finally:
+        assert s.stop() == 0
+
+
 def test_preemption_across_processes(tiny_llama):
     """A tiny device pool, swap mode: many concurrent requests, same greedy output as the engine
     without pressure; /v1/kv shows the swaps; stopping leaves no process and no shared memory."""

@@ -37,8 +37,9 @@ class _Disconnected:
 class Generation:
     def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
                  params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
-                 stream: bool = True, score_only: bool = False):
+                 stream: bool = True, score_only: bool = False, true_output_len: int | None = None):
         self.ctx = ctx
+        self.true_output_len = true_output_len
         # Nobody reads a non-streamed request's text before its end, and without stop strings
         # nothing in it can end the request early: its updates are merged by the scheduler client
         # and applied once, instead of waking this request's task every step.
@@ -96,7 +97,7 @@ class Generation:
         try:
             for bid, ids in zip(self.backend_ids, self.prompts):
                 client.subscribe(bid, self.queue, buffered=self.buffered)
-                await client.add(protocol.AddRequest(bid, ids, wire, time.time()))
+                await client.add(protocol.AddRequest(bid, ids, wire, time.time(), self.true_output_len))
         except SchedulerUnavailable as e:
             self.close(APIError(503, str(e)))
             raise self.error from None

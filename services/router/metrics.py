@@ -38,6 +38,10 @@ def aggregate(stats: list[dict]) -> dict:
     for key, _, _, _ in ENGINE_SERIES:
         values = [float(s.get(key, 0) or 0) for s in stats]
         out[key] = (sum(values) / len(values) if values else 0.0) if key == "kv_cache_usage_perc" else sum(values)
+    # The Fig. 2 split of the KV cache (time-averaged shares, 0-1), averaged over the replicas.
+    splits = [s["kv"]["kv_breakdown"] for s in stats if "kv_breakdown" in s.get("kv", {})]
+    out["kv_breakdown"] = {of: {part: sum(b[of][part] for b in splits) / len(splits) for part in splits[0][of]}
+                           for of in ("cache", "allocated")} if splits else {}
     return out
 
 
@@ -59,6 +63,16 @@ class _EngineCollector:
         for key, name, doc, kind in ENGINE_SERIES:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(self.stats.get(key, 0) or 0))
+            yield family
+        split = self.stats.get("kv_breakdown")
+        if split:
+            family = GaugeMetricFamily("pagedserve:kv_breakdown", "Time-averaged share of the KV cache "
+                                       "(of=cache) or of its allocated slots (of=allocated) per part, "
+                                       "as the PagedAttention paper's Fig. 2 (0-1).",
+                                       labels=["model_name", "of", "part"])
+            for of, parts in split.items():
+                for part, share in parts.items():
+                    family.add_metric([self.model_name, of, part], float(share))
             yield family
 
 

@@ -36,6 +36,9 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
     model: str | None = None
+    # Not OpenAI's: a benchmark's true output length, read only by the Orca baselines (which
+    # reserve it); a server under --allocation orca-pow2 / orca-oracle rejects requests without it.
+    true_output_len: int | None = Field(default=None, ge=1)
     n: int = 1
     best_of: int | None = None
     temperature: float | None = None

@@ -85,6 +85,7 @@ class Request:
     # Names this admission's params on the worker: a request id can come back (a client's
     # X-Request-Id) before the worker was told to drop the last one's params.
     params_key: str = ""
+    final_len: int = 0                 # prompt + true output length (or max_tokens), capped by the context
 
     @property
     def needs_prompt_logprobs(self) -> bool:

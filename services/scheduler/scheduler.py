@@ -12,7 +12,8 @@ Each step (`schedule`):
 2. if nobody was preempted, swapped requests come back, oldest first;
 3. if nobody was preempted and nothing is left swapped, waiting requests are admitted FCFS,
    reusing cached prefixes, within the token budget and the sequence cap; long prompts are
-   prefilled in chunks.
+   prefilled in chunks. With request-level batching (FasterTransformer, the paper's baseline)
+   admission opens only when nothing runs, and then takes every request that fits at once.
 After the worker ran the step, `update` appends the sampled tokens, forks parallel samples and
 beams, checks stops and frees what finished.
 """
@@ -26,9 +27,9 @@ from typing import Callable
 
 from services.sampling_params import SamplingParams
 from services.scheduler.beam_search import BeamSearch
+from services.scheduler.kv_usage import KVUsageMeter
 from services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
-from services.worker.model_runner import SeqStep
-from services.worker.worker_core import SampleRequest, SampleResult
+from services.steps import SampleRequest, SampleResult, SeqStep
 
 
 @dataclass
@@ -40,6 +41,8 @@ class SchedulerConfig:
     auto_swap_min_tokens: int = 256             # auto: recompute shorter single sequences, swap longer
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0                         # > 0: prompt token ids must be below it
+    batching: str = "iteration"                 # iteration | request (a batch runs until all finish)
+    kv_usage_interval_s: float = 0.05           # how often the KV usage split is sampled (clock s)
 
 
 @dataclass
@@ -82,10 +85,12 @@ class Scheduler:
         self.stats = Counter()
         self._capacity_tokens = store.stats()["device_blocks_total"] * store.block_size
         self._eos, self._max_model_len = config.eos_token_ids, config.max_model_len   # read per token
+        self.kv_meter = KVUsageMeter(config.kv_usage_interval_s)
 
     # ---- requests in and out ------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      true_output_len: int | None = None) -> None:
         """Raise SamplingParamsError / SchedulerError for a request this engine can never serve."""
         params.validate()
         if not prompt_token_ids:
@@ -105,10 +110,18 @@ class Scheduler:
         if len(prompt_token_ids) + 1 > self._capacity_tokens:
             raise SchedulerError(f"the prompt needs {len(prompt_token_ids) + 1} KV slots; "
                                  f"the whole device pool has {self._capacity_tokens}")
+        if true_output_len is None and self.store.policy.needs_final_length:
+            raise SchedulerError(f"the {self.store.policy.name} allocation reserves each request's true "
+                                 "length: the request must give true_output_len")
+        if true_output_len is not None and true_output_len < 1:
+            raise SchedulerError(f"true_output_len must be at least 1, got {true_output_len}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
-        self.check_request(prompt_token_ids, params)
+                    arrival_time: float | None = None, true_output_len: int | None = None) -> Request:
+        """true_output_len: how many tokens the request will really generate, known only to a
+        benchmark; the baselines that reserve a request's true length read it (through the
+        store's allocate), nothing else does."""
+        self.check_request(prompt_token_ids, params, true_output_len)
         if request_id in self.requests:
             raise SchedulerError(f"request id {request_id!r} is already in use")
         salt = (params.cache_salt,) if params.cache_salt else ()
@@ -119,6 +132,8 @@ class Scheduler:
         req = Request(request_id, list(prompt_token_ids), params,
                       self.clock() if arrival_time is None else arrival_time, cache_salt=salt)
         req.seqs = [Sequence(next(self._seq_ids), req.prompt_token_ids)]
+        out_len = true_output_len if true_output_len is not None else params.max_tokens
+        req.final_len = min(len(prompt_token_ids) + out_len, self.config.max_model_len)
         req.params_key = f"{request_id}/{req.seqs[0].seq_id}"     # seq ids are never reused
         if params.use_beam_search:
             req.beam = BeamSearch(beam_width=params.beam_width, length_penalty=params.length_penalty,
@@ -168,7 +183,21 @@ class Scheduler:
         if len(self.running) != num_running:
             # Oldest first, so that "newest first" preemption picks by arrival, not by re-admission.
             self.running.sort(key=_ARRIVAL)
+        self._sample_kv_usage()
         return out
+
+    def _sample_kv_usage(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and not self.kv_meter.due(now):
+            return
+        head = self.waiting[0] if self.waiting else None
+        usage = self.store.kv_usage(head.seqs[0].num_tokens, head.final_len) if head is not None \
+            else self.store.kv_usage()
+        self.kv_meter.sample(now, usage, len(self.running), head is not None)
+
+    def kv_breakdown(self) -> dict:
+        """The time-averaged Fig. 2 split and average batch (kv_usage.KVUsageMeter.breakdown)."""
+        return self.kv_meter.breakdown()
 
     def _append_all_at_once(self) -> bool:
         """Give every running sequence the slot for its last sampled token in one store call;
@@ -347,6 +376,11 @@ class Scheduler:
         out.requests.append(req)
 
     def _schedule_waiting(self, out: ScheduledStep, budget: list[int]) -> None:
+        if self.config.batching == "request":
+            if self.running:
+                return   # the batch runs until every request in it has finished
+            # The whole batch is admitted and prefilled together, as FasterTransformer runs it.
+            budget = [sum(r.seqs[0].num_tokens for r in self.waiting)]
         while self.waiting and budget[0] > 0:
             req = self.waiting[0]
             if self._num_live_seqs() + max(len(req.seqs), req.params.n, req.params.beam_width) \
@@ -371,7 +405,7 @@ class Scheduler:
             return self._admit_sharing_prompt(req)
         done: list[Sequence] = []
         for seq in req.seqs:
-            result = self.store.allocate(seq.seq_id, seq.all_token_ids(), req.cache_salt)
+            result = self.store.allocate(seq.seq_id, seq.all_token_ids(), req.cache_salt, req.final_len)
             if not result.ok:
                 for d in done:
                     self.store.free(d.seq_id)
@@ -395,7 +429,7 @@ class Scheduler:
         most = shared // bs + sum(-(-(len(t) - shared) // bs) for t in tokens)   # with no prefix hit
         if most > store.num_free_device_blocks and (self.running or self.swapped):
             return False   # wait, without trying (each try is ops sent to the kvstore)
-        ok = store.allocate(first.seq_id, tokens[0][:shared], req.cache_salt)
+        ok = store.allocate(first.seq_id, tokens[0][:shared], req.cache_salt, req.final_len)
         if not ok.ok:
             return False
         for s in seqs[1:]:
@@ -493,6 +527,10 @@ class Scheduler:
                 self._finish(req, None)
             if req.status is FINISHED:
                 finished.append(req)
+        if finished and not self.has_unfinished():
+            # Going idle: the empty pool, not the last busy step, stands for the time until the
+            # next request (no step samples while nothing runs).
+            self._sample_kv_usage(force=True)
         return finished
 
     def _add_prompt_logprobs(self, scheduled: ScheduledStep, prompt_logprobs: dict) -> None:

@@ -38,6 +38,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
+    batching: str = "iteration"           # request: FasterTransformer-style (the kvstore holds the allocation)
     max_model_len: int | None = None
     redis_url: str | None = None
     replica_id: str = "replica-0"
@@ -52,6 +53,9 @@ class Config:
         from services.engine_config import PREEMPTION_MODES
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
+        from services.engine_config import BATCHING
+        if self.batching not in BATCHING:
+            raise ValueError(f"--batching must be one of {', '.join(BATCHING)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
         for name in ("endpoint", "kvstore_endpoint", "worker_endpoint"):
@@ -68,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
     p.add_argument("--preemption-mode", default=Config.preemption_mode)
+    p.add_argument("--batching", default=Config.batching, help="iteration | request (FasterTransformer-style)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--replica-id", default=Config.replica_id)
@@ -81,6 +86,7 @@ def config_from_args(args) -> Config:
     return Config(model=args.model, endpoint=args.endpoint, kvstore_endpoint=args.kvstore_endpoint,
                   worker_endpoint=args.worker_endpoint, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
+                  batching=args.batching,
                   max_model_len=args.max_model_len, redis_url=args.redis_url, replica_id=args.replica_id,
                   advertise=args.advertise, startup_timeout_s=args.startup_timeout,
                   log_level=args.log_level).validate()
@@ -132,7 +138,7 @@ class SchedulerService:
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         self.core = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                               config.preemption_mode, eos_token_ids=spec.eos_token_ids,
-                                              vocab_size=spec.vocab_size),
+                                              vocab_size=spec.vocab_size, batching=config.batching),
                               self.mirror, clock=time.monotonic)
         self.model_name = config.model
         self.max_model_len = max_len
@@ -208,7 +214,8 @@ class SchedulerService:
             return
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params,
+                                  true_output_len=msg.true_output_len)
         except (SamplingParamsError, SchedulerError, ValueError, TypeError) as e:
             log.info("rejected request %s: %s", msg.request_id, e)
             self._send(identity, protocol.Error(str(e), 400, param=getattr(e, "param", None),
@@ -345,10 +352,12 @@ class SchedulerService:
     def _new_mirror(self):
         """The scheduler's bookkeeping-only copy of the kvstore's BlockStore, empty."""
         from kvstore.replay import RecordingStore
+        from kvstore.allocator import make_policy
         from kvstore.store import BlockStore
         info = self.pool_info
         return RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
-                                         enable_prefix_caching=info.enable_prefix_caching))
+                                         enable_prefix_caching=info.enable_prefix_caching,
+                                         policy=make_policy(info.allocation, info.max_model_len)))
 
     def _reset_block_stores(self) -> bool:
         try:
@@ -392,7 +401,8 @@ class SchedulerService:
                 "num_requests_swapped": len(self.core.swapped),
                 "kv_cache_usage_perc": kv.get("device_blocks_used", 0) / total,
                 "num_preemptions": s["preemptions"], "prefix_cache_queries": kv.get("prefix_queries_tokens", 0),
-                "prefix_cache_hits": kv.get("prefix_hit_tokens", 0), "scheduler": dict(s), "kv": kv}
+                "prefix_cache_hits": kv.get("prefix_hit_tokens", 0), "scheduler": dict(s),
+                "kv": {**kv, "kv_breakdown": self.core.kv_breakdown()}}
 
 
 def _moves_bytes(ops: list[list], results: list) -> bool:

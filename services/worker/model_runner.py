@@ -5,27 +5,14 @@ kvstore does) and reads nothing but the step it is given. No I/O: the worker pro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from services.steps import SeqStep  # noqa: F401  (re-exported: the worker's callers import it here)
 from services.worker.attn_metadata import AttentionMetadata
 from services.worker.model_loader import ModelSpec
 
 
 PROMPT_LOGPROB_ROWS = 128   # prompt positions scored per lm_head call
-
-
-@dataclass(slots=True)
-class SeqStep:
-    """One sequence's share of a step."""
-    seq_id: int
-    token_ids: list[int]       # tokens whose K/V this step computes
-    start_pos: int             # position of token_ids[0] = tokens already in the cache
-    block_table: list[int]     # physical blocks covering positions [0, start_pos + len(token_ids))
-    wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
-    prompt_logprobs: int = -1  # k >= 0: score each token's successor in the prompt, with top-k
-    next_token: int = -1       # the prompt token after this chunk (-1: the chunk ends the prompt)
 
 
 def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, dtype: torch.dtype,

@@ -5,25 +5,11 @@ generator. The worker process and the offline engine both call `execute`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from services.protocol import SampleResult
-from services.sampling_params import SamplingParams
+from services.steps import SampleRequest, SampleResult  # noqa: F401  (re-exported)
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.sampler import SamplingRow, sample, top_logprobs
-
-
-@dataclass(slots=True)
-class SampleRequest:
-    """One token to draw from a step's logits row (a row can serve several: the n samples of a prompt)."""
-    seq_id: int
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    seq_index: int = 0
-    beam_candidates: int = 0     # > 0: return this many top raw logprobs instead of sampling
 
 
 class WorkerCore:

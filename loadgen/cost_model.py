@@ -1,0 +1,137 @@
+"""A GPU step's time, by a roofline: what `loadgen simulate`'s worker charges for one scheduled step.
+
+A step takes the larger of its compute time and its memory time, plus a fixed overhead (kernel
+launches, the sampler, the host side of the engine), plus, with tensor parallelism, two all-reduces
+per layer (after attention and after the MLP), plus the step's swap traffic over the host link.
+
+- compute: 2 FLOPs per weight per token (the dense layers), 2 * vocab * hidden per sampled row
+  (the LM head runs only on rows that sample), and the attention scores and weighted sums:
+  4 * hidden FLOPs per (query token, key position) pair per layer, over the keys it attends to.
+- memory: every weight once per step, every attended sequence's whole KV once per layer (read),
+  this step's tokens' K and V (written), and the activations (ACTIVATION_PASSES reads and writes of
+  a hidden-sized vector per token per layer).
+Peak FLOPs and bandwidth are derated by the efficiencies (what tuned kernels reach on A100s).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ACTIVATION_PASSES = 16   # hidden-sized reads+writes per token per layer (norms, residuals, QKV, MLP)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden: int
+    ffn: int
+    vocab: int
+    max_model_len: int = 2048
+    dtype_bytes: int = 2
+    kv_hidden: int | None = None          # K (and V) width per token per layer; None: hidden (MHA)
+
+    @property
+    def num_params(self) -> int:
+        kv = self.kv_hidden or self.hidden
+        per_layer = 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 2 * self.hidden * self.ffn
+        return self.num_layers * per_layer + self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * (self.kv_hidden or self.hidden) * self.dtype_bytes
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> "ModelShape":
+        """From a Hugging Face config.json (OPT, Llama and most decoder-only models)."""
+        c = json.loads(Path(path).read_text())
+        hidden = c.get("hidden_size") or c["n_embd"]
+        heads = c.get("num_attention_heads") or c["n_head"]
+        kv_heads = c.get("num_key_value_heads", heads)
+        return cls(name=c.get("_name_or_path") or Path(path).parent.name,
+                   num_layers=c.get("num_hidden_layers") or c["n_layer"], hidden=hidden,
+                   ffn=c.get("ffn_dim") or c.get("intermediate_size") or 4 * hidden, vocab=c["vocab_size"],
+                   max_model_len=c.get("max_position_embeddings", 2048),
+                   kv_hidden=hidden * kv_heads // heads)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    num_gpus: int
+    flops: float                 # peak dense fp16 FLOP/s per GPU
+    mem_bw: float                # HBM bytes/s per GPU
+    link_bw: float = 300e9       # all-reduce bus bytes/s per GPU (NVLink)
+    link_latency_s: float = 8e-6  # per all-reduce
+    host_bw: float = 25e9        # swap traffic, bytes/s over PCIe
+    step_overhead_s: float = 2e-3
+    compute_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model: ModelShape
+    hardware: Hardware
+    kv_cache_bytes: int          # the KV pool, all GPUs together (the paper's Table 1)
+    description: str = ""
+
+    def num_kv_tokens(self) -> int:
+        return self.kv_cache_bytes // self.model.kv_bytes_per_token
+
+
+GiB = 1 << 30
+A100_40G = Hardware("A100-40GB", 1, 312e12, 1.555e12)
+OPT_13B = ModelShape("OPT-13B", 40, 5120, 20480, 50272)
+OPT_66B = ModelShape("OPT-66B", 64, 9216, 36864, 50272)
+OPT_175B = ModelShape("OPT-175B", 96, 12288, 49152, 50272)
+PRESETS = {
+    "opt-13b-a100-40g": Preset("opt-13b-a100-40g", OPT_13B, A100_40G, 12 * GiB,
+                               "OPT-13B on one A100-40GB: 26 GB of weights, 12 GiB of KV (800 KiB a token)"),
+    "opt-66b-4xa100": Preset("opt-66b-4xa100", OPT_66B, replace(A100_40G, name="4xA100-40GB", num_gpus=4),
+                             21 * GiB, "OPT-66B on four A100-40GB (tensor parallel): 132 GB of weights, 21 GiB of KV"),
+    "opt-175b-8xa100-80g": Preset("opt-175b-8xa100-80g", OPT_175B,
+                                  replace(A100_40G, name="8xA100-80GB", num_gpus=8, mem_bw=2.0e12),
+                                  264 * GiB, "OPT-175B on eight A100-80GB: 346 GB of weights, 264 GiB of KV"),
+}
+
+
+def custom_preset(config_json: str, flops: float, mem_bw: float, kv_cache_bytes: int, num_gpus: int = 1) -> Preset:
+    model = ModelShape.from_config(config_json)
+    return Preset("custom", model, Hardware("custom", num_gpus, flops, mem_bw), kv_cache_bytes,
+                  f"{model.name} from {config_json}")
+
+
+class CostModel:
+    def __init__(self, preset: Preset):
+        self.model, self.hw = preset.model, preset.hardware
+
+    def step_time(self, seqs: list[tuple[int, int]], num_sampled: int, swap_blocks: int = 0,
+                  block_tokens: int = 16) -> float:
+        """Seconds for one step. seqs: (query tokens, context tokens including them) per sequence;
+        num_sampled: rows that run the LM head; swap_blocks: blocks copied to or from the host."""
+        m, hw = self.model, self.hw
+        tokens = sum(q for q, _ in seqs)
+        # Query token j of a chunk of q ending at position ctx attends to ctx - q + j + 1 keys.
+        pairs = sum(q * (ctx - q) + q * (q + 1) // 2 for q, ctx in seqs)
+        flops = 2 * (m.num_params - m.vocab * m.hidden) * tokens + 2 * m.vocab * m.hidden * num_sampled \
+            + 4 * m.hidden * m.num_layers * pairs
+        kv_token = m.kv_bytes_per_token
+        data = m.weight_bytes + kv_token * sum(ctx for _, ctx in seqs) + kv_token * tokens \
+            + ACTIVATION_PASSES * tokens * m.hidden * m.dtype_bytes * m.num_layers
+        n = hw.num_gpus
+        compute = flops / (n * hw.flops * hw.compute_efficiency)
+        memory = data / (n * hw.mem_bw * hw.memory_efficiency)
+        t = max(compute, memory) + hw.step_overhead_s
+        if n > 1 and tokens:
+            ring = 2 * (n - 1) / n * tokens * m.hidden * m.dtype_bytes / hw.link_bw + hw.link_latency_s
+            t += 2 * m.num_layers * ring
+        if swap_blocks:
+            t += swap_blocks * block_tokens * kv_token / hw.host_bw
+        return t

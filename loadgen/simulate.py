@@ -1,0 +1,206 @@
+"""`loadgen simulate`: the project's own Scheduler and BlockStore, unchanged, driven in virtual time
+by a worker that computes nothing and charges each step what loadgen.cost_model says a GPU takes.
+
+Nothing here schedules: requests go in through Scheduler.add_request at their arrival times, every
+step is Scheduler.schedule(), the store is the kvstore's BlockStore behind the same op-log recorder
+the served scheduler plans on (its swap results say how many blocks crossed the host link), and the
+sampled tokens go back through Scheduler.update. The clock the scheduler reads is the virtual one,
+so its time stamps (first token, finish) and its time-averaged KV split are in simulated seconds.
+Outputs run to their trace length (ignore_eos), so the simulated tokens' values do not matter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.allocator import make_policy
+from kvstore.replay import RecordingStore
+from kvstore.store import BlockStore
+from loadgen.client import RequestRecord
+from loadgen.config import SimulateConfig
+from loadgen.cost_model import GiB, PRESETS, CostModel, Preset, custom_preset
+from loadgen.metrics import summarize
+from loadgen.report import write_run
+from loadgen.traces import load_trace
+from loadgen.workload import Plan, build_plan
+from services.sampling_params import SamplingParams
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.steps import SampleResult
+
+FIRST_TOKEN_ID, VOCAB = 10, 50000
+
+
+@dataclass
+class SimResult:
+    config: SimulateConfig
+    preset: Preset
+    plan: Plan
+    records: list[RequestRecord]
+    kv_breakdown: dict
+    scheduler_stats: dict
+    num_steps: int
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
+
+
+def preset_of(cfg: SimulateConfig) -> Preset:
+    if cfg.preset == "custom":
+        if not cfg.model_config:
+            raise ValueError("--preset custom needs --model-config (a config.json)")
+        preset = custom_preset(cfg.model_config, cfg.gpu_flops, cfg.gpu_mem_bw,
+                               int((cfg.kv_cache_gib or 1.0) * GiB), cfg.num_gpus)
+    else:
+        preset = PRESETS[cfg.preset]
+    if cfg.kv_cache_gib is not None:
+        preset = dataclasses.replace(preset, kv_cache_bytes=int(cfg.kv_cache_gib * GiB))
+    return preset
+
+
+def make_workload(cfg: SimulateConfig, max_model_len: int) -> Plan:
+    """The requests, as `loadgen replay` would send them (the same fitting, arrivals and prompts),
+    each prompt after the shared prefix when one is asked for."""
+    trace = load_trace(cfg.trace, num_requests=cfg.num_requests, seed=cfg.seed)
+    room = max_model_len - cfg.shared_prefix_len
+    if room < 2:
+        raise ValueError(f"--shared-prefix-len {cfg.shared_prefix_len} leaves no room in the context")
+    plan = build_plan(trace, max_model_len=room, fit_mode=cfg.fit, kv_block_size=cfg.block_size, seed=cfg.seed,
+                      rate=cfg.rate, burstiness=cfg.burstiness, trace_times=False, speed=1.0, duration=None,
+                      num_requests=cfg.num_requests, warmup=0, pool=list(range(FIRST_TOKEN_ID, VOCAB)))
+    if cfg.shared_prefix_len:
+        prefix = random.Random(f"{cfg.seed}:prefix").choices(range(FIRST_TOKEN_ID, VOCAB), k=cfg.shared_prefix_len)
+        for r in plan.requests:
+            r.prompt, r.input_len = prefix + list(r.prompt), r.input_len + cfg.shared_prefix_len
+    return plan
+
+
+def _draws(samples) -> list[SampleResult]:
+    """What the worker would answer: one token per wanted sample, candidates for a beam (distinct
+    per beam and step, so beams diverge and die as they would)."""
+    out = []
+    for wanted in samples:
+        for w in wanted:
+            if w.beam_candidates:
+                base = w.seq_id * 7919 + len(w.output_token_ids) * 104729
+                out.append(SampleResult(w.seq_id, candidates=[
+                    [FIRST_TOKEN_ID + (base + k) % (VOCAB - FIRST_TOKEN_ID), -0.5 - k - (base % 97) / 97.0]
+                    for k in range(w.beam_candidates)]))
+            else:
+                out.append(SampleResult(w.seq_id, FIRST_TOKEN_ID + (w.seq_id + len(w.output_token_ids)) % 1000, -1.0))
+    return out
+
+
+def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = None) -> SimResult:
+    started = time.perf_counter()
+    preset = preset_of(cfg)
+    max_len = preset.model.max_model_len
+    plan = make_workload(cfg, max_len)
+    bs = cfg.block_size
+    num_blocks = preset.num_kv_tokens() // bs
+    host_blocks = int(cfg.swap_space_gib * GiB) // (preset.model.kv_bytes_per_token * bs)
+    store = RecordingStore(BlockStore(num_blocks, host_blocks, bs, enable_prefix_caching=cfg.prefix_caching,
+                                      policy=make_policy(cfg.allocation, max_len)))
+    now = [0.0]
+    sched = Scheduler(scheduler_config or SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
+        preemption_mode=cfg.preemption_mode, batching=cfg.batching, kv_usage_interval_s=0.0),
+        store, clock=lambda: now[0])
+    cost = CostModel(preset)
+    requests = plan.requests
+    records = {r.index: RequestRecord(r.index, r.arrival, r.input_len, r.output_len, r.prefix_blocks, send=r.arrival)
+               for r in requests}
+    rid_of = {}
+    nxt, steps = 0, 0
+    while nxt < len(requests) or sched.has_unfinished():
+        while nxt < len(requests) and requests[nxt].arrival <= now[0]:
+            r = requests[nxt]
+            beam = cfg.beam_width > 1   # beam search is greedy and stops only at max_tokens here
+            params = SamplingParams(n=cfg.n, beam_width=cfg.beam_width, max_tokens=r.output_len,
+                                    min_tokens=0 if beam else r.output_len,
+                                    temperature=1.0 if cfg.n > 1 and not beam else 0.0,
+                                    ignore_eos=True, seed=None if beam else r.index)
+            rid = f"sim-{r.index}"
+            sched.add_request(rid, list(r.prompt), params, arrival_time=r.arrival, true_output_len=r.output_len)
+            rid_of[rid] = r.index
+            nxt += 1
+        if not sched.has_unfinished():
+            now[0] = requests[nxt].arrival
+            continue
+        step = sched.schedule()
+        swapped = _swap_blocks(*store.drain())   # the op log a served scheduler sends its kvstore
+        if step.is_empty:   # nothing fits now (the requests it aborted, if any, still finish)
+            _record(sched, sched.update(step, []), records, rid_of)
+            if sched.has_unfinished():
+                if nxt >= len(requests):
+                    raise RuntimeError("the scheduler holds work it never schedules")
+                now[0] = max(now[0], requests[nxt].arrival)
+            continue
+        seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in step.steps]
+        now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), swapped, bs)
+        steps += 1
+        for req, wanted in zip(step.step_requests, step.samples):
+            if wanted:
+                records[rid_of[req.request_id]].token_times.append(now[0])
+        _record(sched, sched.update(step, _draws(step.samples)), records, rid_of)
+    return SimResult(cfg, preset, plan, [records[r.index] for r in requests], sched.kv_breakdown(),
+                     dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes))
+
+
+def _swap_blocks(ops: list[list], results: list) -> int:
+    return sum(len(r[1]) for op, r in zip(ops, results) if op[0] in ("swap_out", "swap_in"))
+
+
+def _record(sched: Scheduler, finished: list, records: dict, rid_of: dict) -> None:
+    for req in finished:
+        rec = records[rid_of[req.request_id]]
+        rec.end, rec.first_token = req.finish_time, req.first_token_time
+        rec.prompt_tokens = len(req.prompt_token_ids)
+        rec.output_tokens = max((len(s.output_token_ids) for s in req.finished), default=0)
+        rec.token_times = sorted(set(rec.token_times))   # n > 1: one time per step, not per sample
+        if req.error:
+            rec.error, rec.error_detail = "aborted", req.error
+        sched.pop_finished(req.request_id)
+
+
+def summary_of(result: SimResult) -> dict:
+    """replay's summary.json fields, in virtual seconds, plus the batch and the Fig. 2 split."""
+    cfg, kb = result.config, result.kv_breakdown
+    sat = kb["saturated"]
+    figures = summarize(result.records, cfg.percentiles)
+    return {
+        **figures,
+        "label": cfg.label or f"{cfg.preset} {cfg.allocation}{' request-batching' if cfg.batching == 'request' else ''}, "
+                              f"{cfg.trace}",
+        "interrupted": False,
+        "num_prompts": len(result.records),
+        "request_rate": cfg.rate,
+        "burstiness": cfg.burstiness,
+        "trace": cfg.trace,
+        "fit": dataclasses.asdict(result.plan.fit),
+        "preset": result.preset.name, "preset_description": result.preset.description,
+        "allocation": cfg.allocation, "batching": cfg.batching,
+        "num_kv_token_slots": result.preset.num_kv_tokens() // cfg.block_size * cfg.block_size,
+        "avg_batched_requests": kb["avg_batched_requests"],
+        "kv_token_share": kb["cache"]["token_states"],
+        "kv_breakdown": {"cache": kb["cache"], "allocated": kb["allocated"]},
+        "sharing_saving": kb["sharing_saving"],
+        # The same while requests waited (the server saturated): what the paper's figures compare.
+        "saturated": {"seconds": sat["seconds"], "avg_batched_requests": sat["avg_batched_requests"],
+                      "kv_token_share": sat["cache"]["token_states"],
+                      "kv_breakdown": {"cache": sat["cache"], "allocated": sat["allocated"]}},
+        "num_steps": result.num_steps,
+        "simulated_seconds": kb["seconds"],
+        "wall_seconds": result.wall_s,
+        "num_preemptions": result.scheduler_stats.get("preemptions", 0),
+        "notes": result.notes,
+        "options": dataclasses.asdict(cfg),
+        "virtual_time": True,
+    }
+
+
+def write_outputs(result: SimResult, out: str | Path) -> dict:
+    summary = summary_of(result)
+    write_run(Path(out), summary, result.records)
+    return summary
