@@ -5,7 +5,7 @@ worker) can map the same bytes by name; on CUDA it is a plain device tensor that
 CUDA IPC handles (kvstore/service.py). A CPU pool that swaps with a CUDA one is pinned (pin()). The pool knows nothing about models: `blocks` is torch.uint8 [num_blocks, block_bytes]
 and workers reinterpret it (docs/INTERFACES.md, "Tensor layout of the KV pools").
 
-Lifetime rules on CPU (see /work/shared/ENVIRONMENT.md):
+Lifetime rules on CPU (see ../shared/ENVIRONMENT.md):
 - the creator is the only process that unlinks the name; an attacher only closes its mapping;
 - Python < 3.13 registers an attached segment with the attacher's resource tracker, which unlinks it
   when the attacher exits, so attach() unregisters it right away;
