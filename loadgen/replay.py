@@ -151,7 +151,7 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
                     await send(session, target, req, t0, cfg.timeout, rec)
         except asyncio.CancelledError:
             if rec.error is None:                   # cancelled while waiting for its turn
-                rec.error, rec.error_detail, rec.end = "interrupted", "the run was stopped", time.perf_counter() - t0
+                _mark_interrupted(rec, t0)
         if progress is not None:
             progress.done(rec)
         return rec
@@ -228,7 +228,10 @@ async def _finish(tasks: list[asyncio.Task], stop: asyncio.Event, hurry: asyncio
 
 
 def _interrupted(req: PlannedRequest, t0: float) -> RequestRecord:
-    rec = RequestRecord.planned(req)
+    return _mark_interrupted(RequestRecord.planned(req), t0)
+
+
+def _mark_interrupted(rec: RequestRecord, t0: float) -> RequestRecord:
     rec.error, rec.error_detail, rec.end = "interrupted", "the run was stopped", time.perf_counter() - t0
     return rec
 
