@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/pagedserve up --model tiny
+	$(BIN)/pagedserve serve tiny
 
 demo: $(STAMP)
 	$(BIN)/pagedserve demo

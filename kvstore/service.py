@@ -30,10 +30,12 @@ from kernels.device import on_device
 from kvstore.cuda_sync import CopySync, NoSync
 from kvstore.pool import BlockPool, unique_pool_name, warm_up
 from kvstore.replay import ReplicaDiverged, apply_ops
-from kvstore.allocator import ALLOCATIONS, make_policy
+from kvstore.allocator import make_policy
 from kvstore.sizing import PoolSizing
 from kvstore.store import BlockStore
-from services import protocol
+from services import config_fields as cf, protocol
+from services.config_fields import at_least
+from services.flags import add_flags, check_config, from_args, opt
 from services.process import answer_requests, on_stop_signals, service_main
 
 log = logging.getLogger("pagedserve.kvstore")
@@ -43,76 +45,44 @@ POLL_MS = 100   # how long the loop blocks waiting for a message: also the laten
 
 @dataclass
 class Config:
-    num_device_blocks: int = 1024
-    num_host_blocks: int = 0
-    block_size: int = 16
-    block_bytes: int = 0                 # of one block on one rank; required (the model decides it)
-    tp_size: int = 1                     # one device pool and one host pool per rank
-    enable_prefix_caching: bool = True
-    allocation: str = "paged"            # kvstore.allocator.ALLOCATIONS
-    max_model_len: int = 2048            # the context orca-max reserves per request
-    device: str = "cpu"                  # where the device pools live: cpu (shared memory) or cuda
-    gpu_memory_utilization: float = 0.0  # > 0 (CUDA): size the device pools once the workers have
-                                         # profiled (kvstore/sizing.py); num_device_blocks is unused
-    endpoint: str = "tcp://127.0.0.1:5601"
-    log_level: str = "INFO"
+    num_device_blocks: int = opt(1024, "blocks in each device pool (0 with --gpu-memory-utilization: "
+                                       "sized once the workers have profiled)", check=at_least(0))
+    num_host_blocks: int = opt(0, "blocks in each host pool (swapped-out blocks)", check=at_least(0))
+    block_size: int = cf.block_size()
+    block_bytes: int = opt(0, "bytes of one block on one tensor-parallel rank (required: the model decides it)",
+                           check=lambda v: v >= 1 or "must be positive (bytes of one block on one worker rank)")
+    tp_size: int = opt(1, "tensor-parallel ranks: one device pool and one host pool each", check=at_least(1))
+    enable_prefix_caching: bool = opt(True, "find full blocks again by the hash of their tokens",
+                                      aliases=["--prefix-caching"])
+    allocation: str = cf.allocation()
+    max_model_len: int = opt(2048, "the context orca-max reserves per request", check=at_least(1))
+    device: str = cf.device(help="where the device pools live: cpu (shared memory) or cuda")
+    gpu_memory_utilization: float = opt(0.0, "CUDA: the fraction of each GPU this replica may use; the device "
+                                             "pools are sized from free memory after the workers' profiling "
+                                             "pass (0: --num-device-blocks)",
+                                        check=lambda v: 0 <= v <= 1 or "must be in [0, 1]")
+    endpoint: str = cf.endpoint("tcp://127.0.0.1:5601", "where the kvstore serves the scheduler and the workers")
+    log_level: str = cf.log_level()
+
+    def cross_check(self) -> str | None:
+        if self.gpu_memory_utilization and self.device == "cpu":
+            return ("--gpu-memory-utilization sizes CUDA pools: it needs --device cuda "
+                    "(on CPU give --num-device-blocks)")
+        if self.num_device_blocks < 1 and not self.gpu_memory_utilization:
+            return "--num-device-blocks must be at least 1"
+        return None
 
     def validate(self) -> "Config":
-        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization must be in [0, 1] (0: --num-device-blocks), "
-                             f"got {self.gpu_memory_utilization}")
-        if self.gpu_memory_utilization and self.device == "cpu":
-            raise ValueError("--gpu-memory-utilization sizes CUDA pools: it needs --device cuda "
-                             "(on CPU give --num-device-blocks)")
-        if self.num_device_blocks < 1 and not self.gpu_memory_utilization:
-            raise ValueError("--num-device-blocks must be at least 1")
-        if self.num_host_blocks < 0:
-            raise ValueError("--num-host-blocks must be non-negative")
-        if self.block_size < 1:
-            raise ValueError("--block-size must be positive")
-        if self.block_bytes < 1:
-            raise ValueError("--block-bytes must be positive (bytes of one block on one worker rank)")
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"--allocation must be one of {', '.join(ALLOCATIONS)}")
-        if self.max_model_len < 1:
-            raise ValueError("--max-model-len must be at least 1")
-        if self.tp_size < 1:
-            raise ValueError("--tp-size must be at least 1")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
-        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError("--endpoint must be a tcp://, ipc:// or inproc:// address")
-        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
-            raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        check_config(self)
         return self
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-device-blocks", type=int, default=Config.num_device_blocks)
-    p.add_argument("--num-host-blocks", type=int, default=Config.num_host_blocks)
-    p.add_argument("--block-size", type=int, default=Config.block_size, help="tokens per block")
-    p.add_argument("--block-bytes", type=int, default=Config.block_bytes,
-                   help="bytes of one block on one tensor-parallel rank (required)")
-    p.add_argument("--tp-size", type=int, default=Config.tp_size)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--allocation", default=Config.allocation, choices=ALLOCATIONS,
-                   help="block allocation policy (orca-*: the paper's contiguous-region baselines)")
-    p.add_argument("--max-model-len", type=int, default=Config.max_model_len, help="what orca-max reserves")
-    p.add_argument("--device", default=Config.device, help="cpu or cuda")
-    p.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization,
-                   help="CUDA: the fraction of each GPU this replica may use; the device pools are "
-                        "sized from free memory after the workers' profiling pass (0: --num-device-blocks)")
-    p.add_argument("--endpoint", default=Config.endpoint)
-    p.add_argument("--log-level", default=Config.log_level)
+    add_flags(p, Config)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    return Config(num_device_blocks=args.num_device_blocks, num_host_blocks=args.num_host_blocks,
-                  block_size=args.block_size, block_bytes=args.block_bytes, tp_size=args.tp_size,
-                  enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
-                  max_model_len=args.max_model_len, device=args.device,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  endpoint=args.endpoint, log_level=args.log_level)
+    return from_args(Config, args)
 
 
 # ---- pools -------------------------------------------------------------------------------------

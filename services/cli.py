@@ -11,28 +11,15 @@ import sys
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face folder (config.json + safetensors)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-device-blocks", type=int, default=None)
-    p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host memory for swapped blocks")
-    p.add_argument("--preemption-mode", default="recompute")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--allocation", default="paged", help="paged | orca-max | orca-pow2 | orca-oracle")
-    p.add_argument("--batching", default="iteration", help="iteration | request (FasterTransformer-style)")
+    from services.engine_config import EngineConfig
+    from services.flags import add_flags
+    add_flags(p, EngineConfig)
 
 
 def _engine_config(args):
     from services.engine_config import EngineConfig
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                        num_device_blocks=args.num_device_blocks, swap_space_gib=args.swap_space,
-                        preemption_mode=args.preemption_mode,
-                        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, allocation=args.allocation,
-                        batching=args.batching).validate()
+    from services.flags import from_args
+    return from_args(EngineConfig, args)
 
 
 def cmd_tiny_model(args) -> int:
@@ -83,8 +70,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
-SERVICES = {
-    "up": ("services.launcher", "start the whole stack (kvstore, workers, scheduler, routers) and wait"),
+SERVICES = {   # name: (module, help, the module's function that adds the flags)
+    "serve": ("services.launcher", "serve MODEL with vLLM's flags: the whole stack (kvstore, workers, scheduler, "
+                                   "routers), until SIGTERM", "add_serve_arguments"),
+    "up": ("services.launcher", "the same as serve, the model given by --model (default: tiny)"),
     "router": ("services.router.service", "one HTTP router (OpenAI-compatible API)"),
     "scheduler": ("services.scheduler.service", "the scheduler of one engine replica"),
     "worker": ("services.worker.service", "one model worker (one per device / tensor-parallel rank)"),
@@ -95,15 +84,17 @@ SERVICES = {
 def _add_service_commands(sub) -> None:
     # Listed for --help only; main() hands these commands to their own module's parser, so that
     # `pagedserve tiny-model` does not import the router's web stack and so on.
-    for name, (_, help_text) in SERVICES.items():
+    for name, (_, help_text, *_) in SERVICES.items():
         sub.add_parser(name, help=help_text, add_help=False)
 
 
 def _service_args(argv: list[str]):
     import importlib
-    module = importlib.import_module(SERVICES[argv[0]][0])
-    parser = argparse.ArgumentParser(prog=f"pagedserve {argv[0]}", description=SERVICES[argv[0]][1])
-    module.add_arguments(parser)
+    from services.process import OneLineParser
+    module_name, help_text, *adder = SERVICES[argv[0]]
+    module = importlib.import_module(module_name)
+    parser = OneLineParser(prog=f"pagedserve {argv[0]}", description=help_text)
+    getattr(module, adder[0] if adder else "add_arguments")(parser)
     args = parser.parse_args(argv[1:])
     args.command = argv[0]
     args.func = lambda a: module.run(module.config_from_args(a))
@@ -111,7 +102,8 @@ def _service_args(argv: list[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on PagedAttention")
+    from services.process import OneLineParser
+    parser = OneLineParser(prog="pagedserve", description="LLM serving on PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tiny-model", help="write a tiny random-weight model and a locally trained tokenizer")

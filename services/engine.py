@@ -74,9 +74,7 @@ class Engine:
         self.model, self.spec = load_model(config.model, self.dtype, config.device)
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         block_bytes = spec.block_bytes(config.block_size, self.dtype)
-        num_device = config.num_device_blocks or config.blocks_for(config.kv_cache_memory_gib, block_bytes)
-        num_host = config.num_host_blocks if config.num_host_blocks is not None \
-            else config.blocks_for(config.swap_space_gib, block_bytes)
+        num_device, num_host = config.device_blocks(block_bytes), config.host_blocks(block_bytes)
         if num_device < 1:
             raise ConfigError("the KV cache budget is smaller than one block")
         self.device_pool = BlockPool.create(unique_pool_name("device"), num_device, block_bytes, config.device)

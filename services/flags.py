@@ -9,8 +9,10 @@ its choices and its check, and argparse is built from it (no flag restates a fie
     config = from_args(Config, parser.parse_args())    # raises ConfigError naming the flag
 
 Field name `max_concurrency` becomes `--max-concurrency`; a bool becomes `--x/--no-x`; a
-`list[...]` field takes words or comma-separated values; `X | None` accepts the word `none`. No torch here:
-every process and the load generator import it.
+`list[...]` field takes words or comma-separated values and may be repeated (`--api-key a --api-key b`);
+`X | None` accepts the word `none`; `parse=` turns the text into the value where the type alone
+cannot (JSON, byte sizes). `to_argv` writes fields back as flags, for a launcher that starts a
+process with some of its own settings. No torch here: every process and the load generator import it.
 """
 from __future__ import annotations
 
@@ -29,11 +31,15 @@ class ConfigError(ValueError):
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, choices: typing.Sequence | None = None,
         check: Callable[[Any], bool | str] | None = None, env: str | None = None,
         flag: str | None = None, aliases: typing.Sequence[str] = (), metavar: str | None = None,
-        positional: bool = False) -> Any:
+        positional: bool = False, parse: Callable[[str], Any] | None = None, split: bool = True,
+        show: Callable[[Any], list[str]] | None = None) -> Any:
     """A dataclass field with what its flag needs. `check(value)` returns True, or False / a reason;
-    `env` names an environment variable read when the flag is absent (after the default)."""
+    `env` names an environment variable read when the flag is absent (after the default);
+    `parse(text)` builds the value (raising ValueError) and `show(value)` the words that give it
+    back (to_argv); `split=False` keeps commas in list items."""
     meta = {"help": help, "choices": choices, "check": check, "env": env, "flag": flag,
-            "aliases": tuple(aliases), "metavar": metavar, "positional": positional}
+            "aliases": tuple(aliases), "metavar": metavar, "positional": positional, "parse": parse,
+            "split": split, "show": show}
     if isinstance(default, (list, dict, set)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
@@ -66,9 +72,11 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
+            # A list flag extends: repeating it adds to what the earlier ones gave.
             parser.add_argument(*names, dest=f.name, default=argparse.SUPPRESS, help=help_text,
                                 metavar=f.metadata["metavar"] or f.name.split("_")[-1].upper(),
-                                nargs="+" if is_list else None, required=default is dataclasses.MISSING)
+                                action="extend" if is_list else "store", nargs="+" if is_list else None,
+                                required=default is dataclasses.MISSING)
 
 
 def from_args(cls: type, namespace: argparse.Namespace | dict, **overrides: Any):
@@ -79,10 +87,15 @@ def from_args(cls: type, namespace: argparse.Namespace | dict, **overrides: Any)
     for f in dataclasses.fields(cls):
         if f.name in overrides:
             values[f.name] = overrides[f.name]
+        elif "help" not in f.metadata:
+            continue                      # set by code: a namesake in the namespace is someone else's flag
         elif f.name in given:
             values[f.name] = parse_value(f, hints[f.name], given[f.name])
         elif f.metadata.get("env") and os.environ.get(f.metadata["env"]):
-            values[f.name] = parse_value(f, hints[f.name], os.environ[f.metadata["env"]])
+            raw = os.environ[f.metadata["env"]]
+            if typing.get_origin(_unwrap(hints[f.name])[0]) is list:
+                raw = raw.split(",")      # a variable holds a list comma-separated, whatever split says
+            values[f.name] = parse_value(f, hints[f.name], raw)
     config = cls(**values)
     check_config(config)
     return config
@@ -108,19 +121,43 @@ def parse_value(f: dataclasses.Field, hint: Any, raw: Any) -> Any:
     """A flag's typed value from its text. A list flag takes several words, each of which may be a
     comma-separated list: `--percentiles 50,90,99` and `--percentiles 50 90 99` alike."""
     kind, optional = _unwrap(hint)
-    if isinstance(raw, list):
-        raw = ",".join(raw)
-    if not isinstance(raw, str):
-        return raw                        # argparse gave a bool
-    if optional and raw.lower() in ("none", "null", ""):
+    if not isinstance(raw, (str, list)):
+        return raw                        # argparse gave a bool, or a caller a typed value
+    words = raw if isinstance(raw, list) else [raw]
+    if optional and len(words) == 1 and words[0].lower() in ("none", "null", ""):
         return None
+    parse = f.metadata.get("parse")
     try:
         if typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
-            return [_scalar(item, part.strip()) for part in raw.split(",") if part.strip()]
-        return _scalar(kind, raw)
-    except ValueError:
-        raise ConfigError(f"{flag_name(f)}: {raw!r} is not {_kind_name(kind)}") from None
+            if parse:                     # the parser reads a whole list from each word (JSON)
+                return [v for w in words for v in parse(w)]
+            parts = [p.strip() for w in words for p in (w.split(",") if f.metadata.get("split", True) else [w])]
+            return [_scalar(item, p) for p in parts if p]
+        return parse(words[-1]) if parse else _scalar(kind, words[-1])
+    except ValueError as e:
+        reason = f"is not {_kind_name(kind)}" if not parse else f"is not valid: {e}"
+        raise ConfigError(f"{flag_name(f)}: {','.join(words)!r} {reason}") from None
+
+
+def to_argv(config: Any, names: typing.Iterable[str]) -> list[str]:
+    """The named fields of `config` as the flags that give them (None and empty lists are left
+    out: absent flags take the defaults). The inverse of add_flags + from_args for those fields."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    argv: list[str] = []
+    for name in names:
+        f, value = fields[name], getattr(config, name)
+        if value is None or value == []:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
+        elif f.metadata.get("show"):
+            argv += [flag_name(f), *f.metadata["show"](value)]
+        elif isinstance(value, list):
+            argv += [flag_name(f), *map(str, value)]
+        else:
+            argv += [flag_name(f), str(value)]
+    return argv
 
 
 def _scalar(kind: Any, raw: str) -> Any:

@@ -16,110 +16,87 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from services.router.service import add_cors_arguments, cors_argv
+from services import config_fields as cf
+from services.config_fields import allocation_check, at_least, positive
+from services.flags import ConfigError, add_flags, check_config, from_args, opt
+from services.router.options import RouterOptions, passed_down
 
 TINY_DIR = Path(".cache/tiny-llama")
 
 
 @dataclass
-class Config:
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str = "auto"                    # auto: float32 on CPU, the checkpoint's on CUDA
-    host: str = "127.0.0.1"
-    port: int = 8000
-    routers: int = 1
-    redis_url: str | None = None
-    num_device_blocks: int | None = None   # None: CUDA sizes by gpu_memory_utilization, CPU by kv_cache_memory_gib
-    kv_cache_memory_gib: float = 0.25
-    gpu_memory_utilization: float = 0.9    # CUDA: this replica's share of each GPU (vLLM's meaning)
-    block_size: int = 16
-    swap_space_gib: float = 0.25
-    preemption_mode: str = "recompute"
-    tensor_parallel: int = 1
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    worker_threads: int = 0                # 0: auto (CPU: every core, split between the TP ranks)
-    enable_prefix_caching: bool = True
-    allocation: str = "paged"              # the kvstore's policy: paged, or an Orca baseline
-    batching: str = "iteration"            # the scheduler's: iteration, or request (FasterTransformer)
-    ready_timeout_s: float = 300.0
-    log_level: str = "INFO"
-    extra_router_args: list[str] = field(default_factory=list)
+class Config(RouterOptions):
+    model: str = opt("tiny", "a local model folder, or 'tiny' (built on first use)")
+    device: str = opt("cpu", "where the model runs", choices=("cpu", "cuda"))
+    dtype: str = cf.dtype()
+    host: str = opt("127.0.0.1", "address the routers listen on")
+    port: int = opt(8000, "the first router's port; the others take the next ones",
+                    check=lambda v: 0 < v < 65536 or "must be in [1, 65535]")
+    routers: int = opt(1, "HTTP routers (more than one needs --redis-url)", check=at_least(1))
+    redis_url: str | None = cf.redis_url()
+    max_model_len: int | None = cf.max_model_len()
+    num_device_blocks: int | None = cf.num_device_blocks()
+    kv_cache_memory_bytes: int | None = cf.kv_cache_memory_bytes()
+    kv_cache_memory_gib: float | None = cf.kv_cache_memory_gib()
+    gpu_memory_utilization: float = cf.gpu_memory_utilization()
+    block_size: int = cf.block_size()
+    swap_space_gib: float = cf.swap_space()
+    preemption_mode: str = cf.preemption_mode()
+    tensor_parallel: int = opt(1, "tensor-parallel ranks (one worker process each)", flag="--tensor-parallel-size",
+                               aliases=["--tensor-parallel", "-tp"], check=at_least(1))
+    max_num_seqs: int = cf.max_num_seqs()
+    max_num_batched_tokens: int = cf.max_num_batched_tokens()
+    worker_threads: int = opt(0, "torch threads per worker; 0 = auto (on CPU every core, split between the ranks)",
+                              check=at_least(0))
+    enable_prefix_caching: bool = opt(True, "find full KV blocks again by the hash of their tokens",
+                                      aliases=["--prefix-caching"])
+    allocation: str = cf.allocation()
+    batching: str = cf.batching()
+    shutdown_timeout_s: float = opt(10.0, "seconds in-flight requests may take to finish after SIGTERM",
+                                    flag="--shutdown-timeout", check=lambda v: v >= 0 or "must be >= 0")
+    ready_timeout_s: float = opt(300.0, "seconds to wait for every process to be ready", flag="--ready-timeout",
+                                 check=positive)
+    log_level: str = cf.log_level()
+
+    def __post_init__(self):
+        self.log_level = self.log_level.upper()
+
+    def cross_check(self) -> str | None:
+        if self.routers > 1 and not self.redis_url:
+            return "--routers > 1 needs --redis-url: routers share request state through Redis"
+        if self.port + self.routers > 65536:
+            return f"--port {self.port} leaves no room for {self.routers} routers"
+        return (cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
+                or allocation_check(self.allocation, self.batching) or cf.kv_pool_check(self))
 
     def validate(self) -> "Config":
-        from services.engine_config import EngineConfig
-        EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
-                     num_device_blocks=self.num_device_blocks, swap_space_gib=self.swap_space_gib,
-                     gpu_memory_utilization=self.gpu_memory_utilization,
-                     preemption_mode=self.preemption_mode, max_num_seqs=self.max_num_seqs,
-                     max_num_batched_tokens=self.max_num_batched_tokens, allocation=self.allocation,
-                     batching=self.batching).validate()
-        if self.routers < 1:
-            raise ValueError("--routers must be at least 1")
-        if self.routers > 1 and not self.redis_url:
-            raise ValueError("--routers > 1 needs --redis-url: routers share request state through Redis")
-        if self.tensor_parallel < 1:
-            raise ValueError("--tensor-parallel must be at least 1")
-        if not 0 < self.port < 65536 - self.routers:
-            raise ValueError(f"--port {self.port} is out of range")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ValueError(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, not {self.log_level!r}")
-        if self.worker_threads < 0:
-            raise ValueError(f"--worker-threads must be 0 (auto) or more, not {self.worker_threads}")
-        if self.num_device_blocks is None and self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"--kv-cache-memory must be positive, not {self.kv_cache_memory_gib}")
+        check_config(self)
         if self.device == "cuda":
             import torch
             if not torch.cuda.is_available():
-                raise ValueError("--device cuda, but torch sees no CUDA device here")
+                raise ConfigError("--device cuda, but torch sees no CUDA device here")
         return self
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="a local model folder, or 'tiny' (built on first use)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=Config.dtype,
-                   help="auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16 or bfloat16")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--routers", type=int, default=1)
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--num-device-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="CPU: GiB for the device KV pool")
-    p.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization,
-                   help="CUDA: the fraction of each GPU the replica may use; the KV pool gets what the "
-                        "weights and a profiled largest step leave (unless --num-device-blocks)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host memory for swapped blocks")
-    p.add_argument("--preemption-mode", default="recompute")
-    p.add_argument("--tensor-parallel", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--worker-threads", type=int, default=0,
-                   help="torch threads per worker; 0 = auto (on CPU every core, split between the ranks)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--allocation", default="paged",
-                   help="paged | orca-max | orca-pow2 | orca-oracle (the paper's contiguous baselines)")
-    p.add_argument("--batching", default="iteration", help="iteration | request (FasterTransformer-style)")
-    p.add_argument("--log-level", default="INFO")
-    add_cors_arguments(p)     # the routers' own flags, passed through
+    add_flags(p, Config)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """`pagedserve serve MODEL`: vLLM's spelling, the model as the first word."""
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a local model folder, or 'tiny'")
+    add_flags(p, Config)
 
 
 def config_from_args(args) -> Config:
-    return Config(model=args.model, device=args.device, dtype=args.dtype, host=args.host, port=args.port, routers=args.routers,
-                  redis_url=args.redis_url, num_device_blocks=args.num_device_blocks,
-                  kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  swap_space_gib=args.swap_space, preemption_mode=args.preemption_mode,
-                  tensor_parallel=args.tensor_parallel, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
-                  enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
-                  batching=args.batching, log_level=args.log_level.upper(),
-                  extra_router_args=cors_argv(args)).validate()
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and getattr(args, "model", tag) != tag:
+        raise ConfigError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    return from_args(Config, {k: v for k, v in vars(args).items() if k != "model_tag"},
+                     **({"model": tag} if tag is not None else {})).validate()
 
 
 def resolve_model(model: str) -> str:
@@ -152,7 +129,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
         # Sized by the kvstore once the workers have loaded and profiled (kvstore/sizing.py).
         device_pool = ["--num-device-blocks", "0", "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     else:
-        device_blocks = cfg.num_device_blocks or int(cfg.kv_cache_memory_gib * gib) // block_bytes
+        device_blocks = cfg.num_device_blocks or cf.kv_pool_bytes(cfg) // block_bytes
         device_pool = ["--num-device-blocks", str(device_blocks)]
     host_blocks = int(cfg.swap_space_gib * gib) // block_bytes
     kv, sched, worker = (f"ipc://{run_dir}/{n}.sock" for n in ("kvstore", "scheduler", "worker"))
@@ -182,11 +159,14 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--log-level", cfg.log_level,
                                      "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}"]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
+    context = ["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []
+    procs[-1][1].extend(context)
+    router_flags, _ = passed_down(cfg)
     for i in range(cfg.routers):
         procs.append((f"router{i}", py + ["services.router.service", "--model", model, "--host", cfg.host,
                                           "--port", str(cfg.port + i), "--scheduler-endpoint", sched,
-                                          "--router-id", f"router-{i}"]
-                      + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + cfg.extra_router_args))
+                                          "--router-id", f"router-{i}", "--log-level", cfg.log_level]
+                      + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + context + router_flags))
     return procs
 
 
@@ -281,6 +261,7 @@ def run(cfg: Config) -> int:
             print(f"pagedserve up: cannot listen on {cfg.host}:{port}: {why}", file=sys.stderr)
             return 1
     model = resolve_model(cfg.model)
+    os.environ.update(passed_down(cfg)[1])   # the API keys: children inherit them, `ps` does not show them
     run_dir = tempfile.mkdtemp(prefix="pagedserve-")
     stack = Stack()
     stopping = []
@@ -306,7 +287,7 @@ def run(cfg: Config) -> int:
             time.sleep(0.5)
         print(f"pagedserve is ready: {', '.join(urls)}  (model {model})", flush=True)
         print(f"try:\n  curl {urls[0]}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
+              f"-d '{{\"model\": \"{cfg.served_model_name or model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
         while not stopping:
             failed = stack.failed()
             if failed:

@@ -25,10 +25,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router.admission import Admission, Ticket
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.detokenizer import TokenTexts, fast_decoder
 from services.router.errors import APIError, bad_request, error_body
+from services.router.guard import Guard
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.model_info import ModelInfo
 from services.router.openai_schema import validation_error
@@ -66,6 +68,7 @@ class RouterContext:
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------
     def start(self) -> None:
@@ -139,24 +142,18 @@ class RouterContext:
                               "X-Request-Id")
         return given
 
-    def authorize(self, request: Request, count: bool = True) -> None:
-        """API key and rate limit, when the router was started with --require-api-key."""
-        if not self.config.require_api_key:
-            return
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not key:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.")
-        info = self.state.check_api_key(key)
-        if info is None:
-            raise APIError(401, "Incorrect API key provided.")
+    def admit(self, request: Request) -> Ticket:
+        """A generation request's rate limit (per API key) and its place in the bounded queue;
+        the key itself was checked by the Guard middleware."""
+        key, info = (request.scope.get("state") or {}).get("api_key", (None, {}))
         limit = info.get("rate_limit", self.config.rate_limit)
-        if count and limit:
+        if key is not None and limit:
             decision = self.state.hit_rate_limit(key, int(limit), self.config.rate_limit_window_s)
             if not decision.allowed:
                 raise APIError(429, f"Rate limit reached: {limit} requests per "
                                     f"{self.config.rate_limit_window_s:g} s.",
                                headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
+        return self.admission.enter()
 
     async def engine_stats(self) -> list[tuple[str, dict]]:
         """(replica id, StatsReply.stats) of every scheduler that answers within the timeout."""
@@ -179,6 +176,8 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
 
     app = FastAPI(title="pagedserve router", lifespan=lifespan)
     app.state.ctx = ctx
+    # Added first, so it runs inside CORS: a 401 still carries the CORS headers a browser needs.
+    app.add_middleware(Guard, config=config, state=state, on_error=ctx.metrics.error)
     app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                        allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
@@ -212,17 +211,25 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
                             headers={"Connection": "close"})
 
     # ---- generation --------------------------------------------------------------------------
+    async def admitted(handler, request: Request):
+        ticket = ctx.admit(request)
+        request.state.ticket = ticket
+        try:
+            return await handler(ctx, request)
+        finally:
+            if not ticket.owned:   # no Generation started with it (a 4xx, a 503)
+                ticket.release()
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await create_completion(ctx, request)
+        return await admitted(create_completion, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await create_chat_completion(ctx, request)
+        return await admitted(create_chat_completion, request)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        ctx.authorize(request, count=False)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
             "root": ctx.info.path, "parent": None, "max_model_len": ctx.info.max_model_len}
@@ -257,7 +264,6 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
 
     @app.get("/v1/kv")
     async def kv(request: Request):
-        ctx.authorize(request, count=False)
         stats = await ctx.engine_stats()
         if not stats:
             raise APIError(503, "no engine replica answered GetStats")
@@ -274,11 +280,9 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
 
     @app.get("/v1/requests/{request_id}")
     async def get_request(request_id: str, request: Request):
-        ctx.authorize(request, count=False)
         return _record(request_id)
 
     async def _cancel(request_id: str, request: Request):
-        ctx.authorize(request, count=False)
         record = _record(request_id)
         if record.get("status") != "running":
             return record

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 
 async def create_chat_completion(ctx: "RouterContext", request):
-    ctx.authorize(request)
     req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
     check_no_tools(req)
@@ -37,7 +36,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
                                 vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings)
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
-                     stream=bool(req.stream), true_output_len=req.true_output_len)
+                     stream=bool(req.stream), true_output_len=req.true_output_len,
+                     ticket=request.state.ticket)
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
 
 async def create_completion(ctx: "RouterContext", request):
-    ctx.authorize(request)
     req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
     ctx.check_model(req.model)
     if req.suffix is not None:
@@ -37,7 +36,8 @@ async def create_completion(ctx: "RouterContext", request):
                                 prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None)
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
-                     stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len)
+                     stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,
+                     ticket=request.state.ticket)
     await gen.start()
     # The prompt as sent; token prompts as their text, special tokens included.
     echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \

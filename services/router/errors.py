@@ -19,6 +19,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 

@@ -21,6 +21,7 @@ from services.router.stop_strings import StopStrings
 from services.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from services.router.admission import Ticket
     from services.router.app import RouterContext
 
 log = logging.getLogger("pagedserve.router")
@@ -37,8 +38,10 @@ class _Disconnected:
 class Generation:
     def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
                  params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
-                 stream: bool = True, score_only: bool = False, true_output_len: int | None = None):
+                 stream: bool = True, score_only: bool = False, true_output_len: int | None = None,
+                 ticket: Ticket | None = None):
         self.ctx = ctx
+        self.ticket = ticket                 # the router's queue place, given back at the first token
         self.true_output_len = true_output_len
         # Nobody reads a non-streamed request's text before its end, and without stop strings
         # nothing in it can end the request early: its updates are merged by the scheduler client
@@ -75,6 +78,7 @@ class Generation:
         self.closed = False
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[list | None] = [None] * len(prompts)   # per prompt, when asked for
+        self.timer: asyncio.TimerHandle | None = None
 
     @property
     def all_choices(self) -> list[ChoiceState]:
@@ -87,6 +91,8 @@ class Generation:
     # ---- submit --------------------------------------------------------------------------------
     async def start(self) -> None:
         ctx = self.ctx
+        if self.ticket is not None:
+            self.ticket.charge(self.num_prompt_tokens)    # 503 when the queued tokens are over the limit
         client = ctx.backends.pick(self.prompts[0])
         if not ctx.state.put_request(self.request_id, ctx.router_id, client.endpoint, "running",
                                      backend_ids=self.backend_ids, kind=self.kind, model=ctx.model_name):
@@ -107,6 +113,18 @@ class Generation:
             self.abort()
             self.close(APIError(500, "internal error"))
             raise
+        if self.ticket is not None:
+            self.ticket.owned = True
+        if ctx.config.request_timeout_s is not None:
+            self.timer = asyncio.get_running_loop().call_later(ctx.config.request_timeout_s, self._timed_out)
+
+    def _timed_out(self) -> None:
+        if len(self.done) < len(self.prompts):
+            log.info("%s ran past --request-timeout; aborting", self.request_id)
+            # Handled as any failure, in the request's own task: it aborts what still runs (the
+            # scheduler frees the blocks) and ends the response with this error.
+            self.queue.put_nowait(Failure(504, f"the request took longer than --request-timeout "
+                                               f"{self.ctx.config.request_timeout_s:g} s and was aborted"))
 
     # ---- follow --------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[list[ChoiceEvent]]:
@@ -163,6 +181,8 @@ class Generation:
             event = choices[delta.index].apply(delta)
             new_tokens = max(new_tokens, event.num_new_tokens)
             events.append(event)
+        if new_tokens and self.ticket is not None:
+            self.ticket.release()            # started: no longer queued
         if new_tokens and not merged:
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -219,6 +239,10 @@ class Generation:
         self.closed = True
         self.error = error
         ctx = self.ctx
+        if self.ticket is not None:
+            self.ticket.release()
+        if self.timer is not None:
+            self.timer.cancel()
         if self.client is not None:
             for bid in self.backend_ids:
                 self.client.unsubscribe(bid)

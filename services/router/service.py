@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -19,137 +18,60 @@ import socket
 import sys
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from services import config_fields as cf
+from services.config_fields import positive
+from services.flags import add_flags, check_config, from_args, opt
+from services.router.options import RouterOptions
 
 log = logging.getLogger("pagedserve.router")
 
-LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
-
-
 @dataclass
-class Config:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    scheduler_endpoint: str | None = "tcp://127.0.0.1:5602"
-    redis_url: str | None = None
-    router_id: str = ""
-    served_model_name: str | None = None
-    max_model_len: int | None = None
-    require_api_key: bool = False
-    api_keys: list[str] = field(default_factory=list)   # added to the store at start (handy without Redis)
-    rate_limit: int | None = None                       # requests per window per key; None = unlimited
-    rate_limit_window_s: float = 60.0
-    ping_interval_s: float = 1.0
-    scheduler_timeout_s: float = 10.0                   # silent this long -> in-flight requests get 503
+class Config(RouterOptions):
+    model: str = cf.model("a local Hugging Face folder (the tokenizer and config are read)")
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on", check=lambda v: 0 <= v < 65536 or "must be in [0, 65535]")
+    scheduler_endpoint: str | None = opt("tcp://127.0.0.1:5602", "the scheduler to send requests to; 'none' to "
+                                                                 "pick replicas from --redis-url",
+                                         check=cf.endpoint_check)
+    redis_url: str | None = cf.redis_url("shared state for several routers (else in process)")
+    router_id: str = opt("", "this router's ZeroMQ identity (default: host-pid-random)",
+                         check=lambda v: len(v) <= 200 or "must be at most 200 characters")
+    max_model_len: int | None = cf.max_model_len()
+    scheduler_timeout_s: float = opt(10.0, "seconds a scheduler may stay silent before in-flight requests get 503",
+                                     flag="--scheduler-timeout", check=positive)
+    log_level: str = cf.log_level()
+    ping_interval_s: float = 1.0                        # set by code (tests), not by a flag
     ready_timeout_s: float = 1.0
     stats_timeout_s: float = 1.0
-    log_level: str = "INFO"
-    max_stop_strings: int = 4                           # OpenAI's limit
-    # CORS, with vLLM's flags and defaults (JSON lists on the command line): no cross-origin
-    # browser access unless origins are named.
-    allowed_origins: list[str] = field(default_factory=list)
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
 
     def __post_init__(self):
         if not self.router_id:
             self.router_id = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.log_level = self.log_level.upper()
+
+    def cross_check(self) -> str | None:
+        if not self.scheduler_endpoint and not self.redis_url:
+            return "--scheduler-endpoint is required unless --redis-url lists the replicas"
+        if self.require_api_key and not self.redis_url and not self.api_keys:
+            return "--require-api-key without --redis-url needs at least one --api-key"
+        for name in ("ping_interval_s", "ready_timeout_s", "stats_timeout_s"):
+            if getattr(self, name) <= 0:
+                return f"{name} must be positive"
+        return None
 
     def validate(self) -> "Config":
-        if not self.model:
-            raise ValueError("--model is required")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if not self.scheduler_endpoint and not self.redis_url:
-            raise ValueError("--scheduler-endpoint is required unless --redis-url lists the replicas")
-        if self.scheduler_endpoint and not self.scheduler_endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError("--scheduler-endpoint must be a tcp:// or ipc:// endpoint")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("--redis-url must be a redis://, rediss:// or unix:// URL")
-        if not self.router_id or len(self.router_id) > 200:
-            raise ValueError("--router-id must be 1-200 characters")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("--max-model-len must be at least 2")
-        if self.rate_limit is not None and self.rate_limit < 1:
-            raise ValueError("--rate-limit must be at least 1 request per window")
-        if self.rate_limit_window_s <= 0:
-            raise ValueError("--rate-limit-window must be positive")
-        if self.require_api_key and not self.redis_url and not self.api_keys:
-            raise ValueError("--require-api-key without --redis-url needs at least one --api-key")
-        for name in ("ping_interval_s", "scheduler_timeout_s", "ready_timeout_s", "stats_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name[:-2].replace('_', '-')} must be positive")
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-        if self.max_stop_strings < 0:
-            raise ValueError("--max-stop-strings must be at least 0")
-        for name in CORS_LISTS:
-            value = getattr(self, name)
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {value!r}")
+        check_config(self)
         return self
 
 
-CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
-
-
-def add_cors_arguments(p: argparse.ArgumentParser) -> None:
-    """vLLM's CORS flags; `pagedserve up` takes the same and passes them to its routers."""
-    for name in CORS_LISTS:
-        default = json.dumps(Config.__dataclass_fields__[name].default_factory())
-        p.add_argument(f"--{name.replace('_', '-')}", type=json.loads, default=None,
-                       help=f"a JSON list (default {default})")
-    p.add_argument("--allow-credentials", action="store_true")
-
-
-def cors_fields(args) -> dict:
-    """The Config fields the CORS flags set (absent flags keep the defaults)."""
-    out = {name: getattr(args, name) for name in CORS_LISTS if getattr(args, name) is not None}
-    return {**out, "allow_credentials": args.allow_credentials}
-
-
-def cors_argv(args) -> list[str]:
-    """The CORS flags given to `pagedserve up`, as a router's command line."""
-    argv = [a for name in CORS_LISTS if getattr(args, name) is not None
-            for a in (f"--{name.replace('_', '-')}", json.dumps(getattr(args, name)))]
-    return argv + (["--allow-credentials"] if args.allow_credentials else [])
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face folder (tokenizer and config are read)")
-    p.add_argument("--host", default=Config.host)
-    p.add_argument("--port", type=int, default=Config.port)
-    p.add_argument("--scheduler-endpoint", default=Config.scheduler_endpoint,
-                   help="the scheduler to send requests to; 'none' to pick replicas from --redis-url")
-    p.add_argument("--redis-url", default=None, help="shared state for several routers (else in process)")
-    p.add_argument("--router-id", default="", help="this router's ZeroMQ identity (default: host-pid-random)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--require-api-key", action="store_true")
-    p.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                   help="add this key to the store at start (repeatable)")
-    p.add_argument("--rate-limit", type=int, default=None, help="requests per window per API key")
-    p.add_argument("--rate-limit-window", type=float, default=Config.rate_limit_window_s)
-    p.add_argument("--scheduler-timeout", type=float, default=Config.scheduler_timeout_s)
-    p.add_argument("--log-level", default=Config.log_level)
-    p.add_argument("--max-stop-strings", type=int, default=Config.max_stop_strings,
-                   help="stop strings a request may send (OpenAI's limit is 4)")
-    add_cors_arguments(p)
+    add_flags(p, Config)
 
 
 def config_from_args(args) -> Config:
-    endpoint = args.scheduler_endpoint
-    if endpoint is not None and endpoint.lower() in ("", "none"):
-        endpoint = None
-    return Config(model=args.model, host=args.host, port=args.port, scheduler_endpoint=endpoint,
-                  redis_url=args.redis_url, router_id=args.router_id, served_model_name=args.served_model_name,
-                  max_model_len=args.max_model_len, require_api_key=args.require_api_key,
-                  api_keys=list(args.api_keys), rate_limit=args.rate_limit,
-                  rate_limit_window_s=args.rate_limit_window, scheduler_timeout_s=args.scheduler_timeout,
-                  log_level=args.log_level.upper(), max_stop_strings=args.max_stop_strings,
-                  **cors_fields(args)).validate()
+    return from_args(Config, args)
 
 
 def build_app(config: Config, state=None):

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import zmq
 
 from kvstore.client import KVStoreClient, KVStoreError
-from services import protocol
+from services import config_fields as cf, protocol
+from services.config_fields import positive
+from services.flags import add_flags, check_config, from_args, opt
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
 from services.sampling_params import SamplingParams, SamplingParamsError
@@ -31,65 +33,41 @@ log = logging.getLogger("pagedserve.scheduler")
 
 @dataclass
 class Config:
-    model: str
-    endpoint: str = "tcp://127.0.0.1:5602"
-    kvstore_endpoint: str = "tcp://127.0.0.1:5601"
-    worker_endpoint: str = "tcp://127.0.0.1:5603"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"
-    batching: str = "iteration"           # request: FasterTransformer-style (the kvstore holds the allocation)
-    max_model_len: int | None = None
-    redis_url: str | None = None
-    replica_id: str = "replica-0"
-    advertise: str | None = None          # the endpoint routers should use (default: endpoint)
-    heartbeat_s: float = 1.0
-    peer_timeout_s: float = 5.0
-    step_timeout_s: float = 120.0
-    startup_timeout_s: float = 120.0
-    log_level: str = "INFO"
+    model: str = cf.model()
+    endpoint: str = cf.endpoint("tcp://127.0.0.1:5602", "where the scheduler serves the routers")
+    kvstore_endpoint: str = cf.endpoint("tcp://127.0.0.1:5601", "the kvstore's endpoint")
+    worker_endpoint: str = cf.endpoint("tcp://127.0.0.1:5603", "rank 0 of the workers")
+    max_num_seqs: int = cf.max_num_seqs()
+    max_num_batched_tokens: int = cf.max_num_batched_tokens()
+    preemption_mode: str = cf.preemption_mode()
+    batching: str = cf.batching()         # request: the kvstore holds the allocation (orca-max)
+    max_model_len: int | None = cf.max_model_len()
+    redis_url: str | None = cf.redis_url("Redis where the replica registers for routers that pick replicas")
+    replica_id: str = opt("replica-0", "this replica's name in Redis")
+    advertise: str | None = opt(None, "the endpoint routers should use (default: --endpoint)")
+    heartbeat_s: float = opt(1.0, "seconds between pings of idle peers", flag="--heartbeat", check=positive)
+    peer_timeout_s: float = opt(5.0, "seconds a peer may stay silent before the replica is not ready",
+                                flag="--peer-timeout", check=positive)
+    step_timeout_s: float = opt(120.0, "seconds one step may take before the worker counts as lost",
+                                flag="--step-timeout", check=positive)
+    startup_timeout_s: float = opt(120.0, "seconds to wait for the kvstore and the worker at start-up",
+                                   flag="--startup-timeout", check=positive)
+    log_level: str = cf.log_level()
+
+    def cross_check(self) -> str | None:
+        return cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
 
     def validate(self) -> "Config":
-        from services.engine_config import PREEMPTION_MODES
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
-        from services.engine_config import BATCHING
-        if self.batching not in BATCHING:
-            raise ValueError(f"--batching must be one of {', '.join(BATCHING)}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
-        for name in ("endpoint", "kvstore_endpoint", "worker_endpoint"):
-            if not getattr(self, name).startswith(("tcp://", "ipc://")):
-                raise ValueError(f"--{name.replace('_', '-')} must be a tcp:// or ipc:// endpoint")
+        check_config(self)
         return self
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True)
-    p.add_argument("--endpoint", default=Config.endpoint)
-    p.add_argument("--kvstore-endpoint", default=Config.kvstore_endpoint)
-    p.add_argument("--worker-endpoint", default=Config.worker_endpoint)
-    p.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=Config.max_num_batched_tokens)
-    p.add_argument("--preemption-mode", default=Config.preemption_mode)
-    p.add_argument("--batching", default=Config.batching, help="iteration | request (FasterTransformer-style)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--replica-id", default=Config.replica_id)
-    p.add_argument("--advertise", default=None)
-    p.add_argument("--startup-timeout", type=float, default=Config.startup_timeout_s,
-                   help="seconds to wait for the kvstore and the worker at start-up")
-    p.add_argument("--log-level", default="INFO")
+    add_flags(p, Config)
 
 
 def config_from_args(args) -> Config:
-    return Config(model=args.model, endpoint=args.endpoint, kvstore_endpoint=args.kvstore_endpoint,
-                  worker_endpoint=args.worker_endpoint, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
-                  batching=args.batching,
-                  max_model_len=args.max_model_len, redis_url=args.redis_url, replica_id=args.replica_id,
-                  advertise=args.advertise, startup_timeout_s=args.startup_timeout,
-                  log_level=args.log_level).validate()
+    return from_args(Config, args)
 
 
 class StepTiming:

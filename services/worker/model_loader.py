@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from kernels.limits import check_attention_shape
+from services.config_fields import DTYPES
 from services.worker.models import MODEL_REGISTRY
 from services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, read_shard
 
@@ -48,7 +49,6 @@ class ModelSpec:
         return self.num_layers * 2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim * itemsize
 
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def serving_dtype(requested: str, device: str, spec: ModelSpec) -> torch.dtype:

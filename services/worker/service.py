@@ -41,9 +41,11 @@ from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pool
 from kvstore.cuda_sync import NoSync, StepSync
 from kvstore.sizing import WAITING
 from kvstore.pool import BlockPool
-from services import protocol
+from services import config_fields as cf, protocol
+from services.config_fields import at_least, positive
+from services.flags import add_flags, check_config, from_args, opt
 from services.process import answer_requests, on_stop_signals, service_main
-from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
+from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.profile import warm_up_and_profile
 from services.worker.step_inputs import StepError, StepInputs
@@ -67,53 +69,34 @@ class PeerLost(RuntimeError):
 
 @dataclass
 class Config:
-    model: str = ""
-    rank: int = 0
-    tp_size: int = 1
-    dist_init: str = "tcp://127.0.0.1:29500"     # torch.distributed init method (tp_size > 1)
-    dist_timeout_s: float = 60.0                 # joining the group, and any one collective
-    endpoint: str = "tcp://127.0.0.1:5603"       # rank 0 binds it
-    kvstore_endpoint: str = "tcp://127.0.0.1:5601"
-    kvstore_timeout_s: float = 10.0
-    device: str = "cpu"                          # cpu, cuda (= cuda:<rank>) or cuda:N
-    dtype: str = "auto"                          # auto: float32 on CPU, the checkpoint's on CUDA (serving_dtype)
-    block_size: int = 16                         # must equal the kvstore's
-    profile_tokens: int = 2048                   # the start-up pass: the scheduler's largest step
-    profile_seqs: int = 256                      # (--max-num-batched-tokens, --max-num-seqs)
-    torch_threads: int = 0                       # 0: torch's default
-    seed: int = 0
-    log_level: str = "INFO"
+    model: str = cf.model()
+    rank: int = opt(0, "tensor-parallel rank of this process", check=at_least(0))
+    tp_size: int = opt(1, "tensor-parallel ranks in the group", check=at_least(1))
+    dist_init: str = opt("tcp://127.0.0.1:29500", "torch.distributed init method (--tp-size > 1)",
+                         check=lambda v: v.startswith(("tcp://", "file://")) or "must be a tcp:// or file:// address")
+    dist_timeout_s: float = opt(60.0, "seconds to join the group, and for any one collective", flag="--dist-timeout",
+                                check=lambda v: v > HEARTBEAT_S * 5 or f"must be above {HEARTBEAT_S * 5:g} s")
+    endpoint: str = cf.endpoint("tcp://127.0.0.1:5603", "where rank 0 serves steps")
+    kvstore_endpoint: str = cf.endpoint("tcp://127.0.0.1:5601", "the kvstore's endpoint")
+    kvstore_timeout_s: float = opt(10.0, "seconds to wait for the kvstore", flag="--kvstore-timeout", check=positive)
+    device: str = cf.device()
+    dtype: str = cf.dtype()
+    block_size: int = cf.block_size()              # must equal the kvstore's
+    profile_tokens: int = opt(2048, "tokens of the start-up profiling step (the scheduler's "
+                                    "--max-num-batched-tokens)", check=at_least(1))
+    profile_seqs: int = opt(256, "sequences of the start-up profiling step (the scheduler's --max-num-seqs)",
+                            check=at_least(1))
+    torch_threads: int = opt(0, "torch threads (0: torch's default)", check=at_least(0))
+    seed: int = cf.seed()
+    log_level: str = cf.log_level()
+
+    def cross_check(self) -> str | None:
+        if not self.rank < self.tp_size:
+            return f"--rank must be in [0, --tp-size={self.tp_size}), got {self.rank}"
+        return None
 
     def validate(self) -> "Config":
-        if not self.model:
-            raise ValueError("--model is required (a local Hugging Face folder)")
-        if self.tp_size < 1:
-            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
-        if not 0 <= self.rank < self.tp_size:
-            raise ValueError(f"--rank must be in [0, --tp-size={self.tp_size}), got {self.rank}")
-        if self.tp_size > 1 and not self.dist_init.startswith(("tcp://", "file://")):
-            raise ValueError(f"--dist-init must be a tcp:// or file:// address, got {self.dist_init!r}")
-        if self.dist_timeout_s <= HEARTBEAT_S * 5:
-            raise ValueError(f"--dist-timeout must be above {HEARTBEAT_S * 5:g} s, got {self.dist_timeout_s}")
-        for flag, ep in (("--endpoint", self.endpoint), ("--kvstore-endpoint", self.kvstore_endpoint)):
-            if not ep.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"{flag} must be a tcp://, ipc:// or inproc:// address, got {ep!r}")
-        if self.kvstore_timeout_s <= 0:
-            raise ValueError(f"--kvstore-timeout must be positive, got {self.kvstore_timeout_s}")
-        if self.device != "cpu" and self.device != "cuda" and not self.device.startswith("cuda:"):
-            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        bs = self.block_size
-        if bs < 1 or bs & (bs - 1):
-            raise ValueError(f"--block-size must be a power of two, got {bs}")
-        if self.profile_tokens < 1 or self.profile_seqs < 1:
-            raise ValueError(f"--profile-tokens and --profile-seqs must be at least 1, got "
-                             f"{self.profile_tokens} and {self.profile_seqs}")
-        if self.torch_threads < 0:
-            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
-        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
-            raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        check_config(self)
         return self
 
     @property
@@ -121,35 +104,12 @@ class Config:
         return f"cuda:{self.rank}" if self.device == "cuda" else self.device
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face folder (config.json + safetensors)")
-    p.add_argument("--rank", type=int, default=Config.rank, help="tensor-parallel rank of this process")
-    p.add_argument("--tp-size", type=int, default=Config.tp_size)
-    p.add_argument("--dist-init", default=Config.dist_init, help="torch.distributed init method")
-    p.add_argument("--dist-timeout", type=float, default=Config.dist_timeout_s, help="seconds")
-    p.add_argument("--endpoint", default=Config.endpoint, help="where rank 0 serves steps")
-    p.add_argument("--kvstore-endpoint", default=Config.kvstore_endpoint)
-    p.add_argument("--kvstore-timeout", type=float, default=Config.kvstore_timeout_s, help="seconds")
-    p.add_argument("--device", default=Config.device, help="cpu, cuda (one GPU per rank) or cuda:N")
-    p.add_argument("--dtype", default=Config.dtype, choices=DTYPES)
-    p.add_argument("--block-size", type=int, default=Config.block_size)
-    p.add_argument("--profile-tokens", type=int, default=Config.profile_tokens,
-                   help="tokens of the start-up profiling step (the scheduler's --max-num-batched-tokens)")
-    p.add_argument("--profile-seqs", type=int, default=Config.profile_seqs,
-                   help="sequences of the start-up profiling step (the scheduler's --max-num-seqs)")
-    p.add_argument("--torch-threads", type=int, default=Config.torch_threads)
-    p.add_argument("--seed", type=int, default=Config.seed, help="for unseeded sampling")
-    p.add_argument("--log-level", default=Config.log_level)
+    add_flags(p, Config)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    return Config(model=args.model, rank=args.rank, tp_size=args.tp_size, dist_init=args.dist_init,
-                  dist_timeout_s=args.dist_timeout, endpoint=args.endpoint,
-                  kvstore_endpoint=args.kvstore_endpoint, kvstore_timeout_s=args.kvstore_timeout,
-                  device=args.device, dtype=args.dtype, block_size=args.block_size,
-                  profile_tokens=args.profile_tokens, profile_seqs=args.profile_seqs,
-                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level)
+    return from_args(Config, args)
 
 
 # ---- the service core: messages in, messages out (no sockets) ----------------------------------

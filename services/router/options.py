@@ -1,0 +1,66 @@
+"""What a router takes that `pagedserve serve`/`up` takes too and passes down: auth, limits, CORS.
+
+One dataclass, inherited by the router's Config and by the launcher's, so each flag is written once
+and the launcher hands it on with services.flags.to_argv (API keys travel in the environment, not
+on a command line that `ps` shows). No web stack imported here: the launcher imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from services.config_fields import at_least, positive
+from services.flags import opt
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def _json_list(text: str) -> list[str]:
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("must be a JSON list of strings")
+    return value
+
+
+def _cors(default: list[str], help: str):
+    return opt(default, f"{help} (a JSON list, as vLLM takes it)", parse=_json_list, show=lambda v: [json.dumps(v)])
+
+
+@dataclass(kw_only=True)
+class RouterOptions:
+    served_model_name: str | None = opt(None, "the model name clients send and see (default: the model's path)")
+    api_keys: list[str] = opt([], "an API key clients must send as 'Authorization: Bearer KEY' on /v1/* "
+                                  "(repeatable; the environment variable may hold several, comma-separated)",
+                              flag="--api-key", env=API_KEY_ENV, split=False, metavar="KEY")
+    require_api_key: bool = opt(False, "ask for an API key even without --api-key (keys kept in Redis)")
+    rate_limit: int | None = opt(None, "requests per window per API key (429 beyond it)", check=at_least(1))
+    rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window", flag="--rate-limit-window",
+                                     check=positive)
+    max_queued_requests: int | None = opt(None, "requests a router holds that have not started (503 with "
+                                                "Retry-After beyond it, before tokenizing)", check=at_least(0))
+    max_queued_tokens: int | None = opt(None, "prompt tokens of the requests a router holds that have not "
+                                              "started (503 with Retry-After beyond it)", check=at_least(1))
+    max_request_body_mb: float = opt(16.0, "the largest request body in MiB (413 beyond it, before parsing)",
+                                     check=positive)
+    request_timeout_s: float | None = opt(None, "seconds a request may take in all; then it is aborted, its "
+                                                "blocks freed, and it ends with a 504", flag="--request-timeout",
+                                          check=positive)
+    max_stop_strings: int = opt(4, "stop strings a request may send (OpenAI's limit is 4)", check=at_least(0))
+    # CORS with vLLM's flags and defaults: no cross-origin browser access unless origins are named.
+    allowed_origins: list[str] = _cors([], "origins browsers may call from")
+    allowed_methods: list[str] = _cors(["*"], "methods allowed cross-origin")
+    allowed_headers: list[str] = _cors(["*"], "headers allowed cross-origin")
+    allow_credentials: bool = opt(False, "allow credentials cross-origin")
+
+    @property
+    def auth_required(self) -> bool:
+        return self.require_api_key or bool(self.api_keys)
+
+
+def passed_down(config: RouterOptions) -> tuple[list[str], dict[str, str]]:
+    """(flags, environment) that give a router these settings of `config`."""
+    from services.flags import to_argv
+    names = [f.name for f in dataclasses.fields(RouterOptions) if f.name != "api_keys"]
+    env = {API_KEY_ENV: ",".join(config.api_keys)} if config.api_keys else {}
+    return to_argv(config, names), env

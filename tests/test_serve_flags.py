@@ -1,0 +1,165 @@
+"""`pagedserve serve MODEL` with vLLM's flag names, `up` with its own as aliases, and every
+process's flags derived from its Config (one check per setting, the same words everywhere)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstore import service as kvstore_service
+from services import launcher
+from services.cli import main
+from services.engine_config import EngineConfig
+from services.flags import ConfigError, from_args
+from services.process import OneLineParser
+from services.router import service as router_service
+from services.router.options import API_KEY_ENV
+from services.scheduler import service as scheduler_service
+from services.worker import service as worker_service
+
+VLLM_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--dtype", "--block-size",
+              "--swap-space", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
+              "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
+              "--preemption-mode", "--tensor-parallel-size", "--max-queued-requests", "--shutdown-timeout",
+              "--routers", "--redis-url", "--max-request-body-mb", "--max-queued-tokens", "--request-timeout"]
+UP_ALIASES = ["--model", "--tensor-parallel", "--num-device-blocks", "--kv-cache-memory", "--no-prefix-caching",
+              "--device"]
+
+
+def serve(*argv: str) -> launcher.Config:
+    parser = OneLineParser(prog="pagedserve serve")
+    launcher.add_serve_arguments(parser)
+    return launcher.config_from_args(parser.parse_args(list(argv)))
+
+
+def up(*argv: str) -> launcher.Config:
+    parser = OneLineParser(prog="pagedserve up")
+    launcher.add_arguments(parser)
+    return launcher.config_from_args(parser.parse_args(list(argv)))
+
+
+def test_serve_takes_vllms_flags_and_up_its_aliases():
+    parser = OneLineParser(prog="pagedserve serve")
+    launcher.add_serve_arguments(parser)
+    known = set(parser._option_string_actions)
+    missing = [f for f in VLLM_FLAGS + UP_ALIASES if f not in known]
+    assert not missing, missing
+
+
+def test_the_two_spellings_give_one_config(tmp_path):
+    vllm = serve(str(tmp_path), "--tensor-parallel-size", "1", "--num-gpu-blocks-override", "64",
+                 "--no-enable-prefix-caching", "--dtype", "float32", "--api-key", "k1", "--api-key", "k2",
+                 "--served-model-name", "m", "--max-model-len", "512", "--swap-space", "0.5")
+    ours = up("--model", str(tmp_path), "--tensor-parallel", "1", "--num-device-blocks", "64",
+              "--no-prefix-caching", "--dtype", "float32", "--api-key", "k1", "k2",
+              "--served-model-name", "m", "--max-model-len", "512", "--swap-space", "0.5")
+    assert vllm == ours
+    assert vllm.model == str(tmp_path) and vllm.num_device_blocks == 64 and not vllm.enable_prefix_caching
+    assert vllm.api_keys == ["k1", "k2"]
+
+
+def test_sizes_in_bytes_take_units():
+    assert serve("--kv-cache-memory-bytes", "512M").kv_cache_memory_bytes == 512 * 10**6
+    assert serve("--kv-cache-memory-bytes", "1GiB").kv_cache_memory_bytes == 1 << 30
+    assert serve("--kv-cache-memory-bytes", "4096").kv_cache_memory_bytes == 4096
+
+
+def test_api_keys_from_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "sk-a,sk-b")
+    assert serve().api_keys == ["sk-a", "sk-b"]
+    assert serve("--api-key", "sk-c").api_keys == ["sk-c"]      # a flag wins over the variable
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--bogus"], "--bogus"),
+    (["--block-size", "12"], "--block-size"),
+    (["--dtype", "float64"], "--dtype"),
+    (["--num-gpu-blocks-override", "8", "--kv-cache-memory-bytes", "1G"], "both size the device KV pool"),
+    (["--routers", "2"], "--redis-url"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens"),
+    (["--batching", "request"], "orca-max"),
+    (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory-bytes"),
+    (["--max-request-body-mb", "0"], "--max-request-body-mb"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["m1", "--model", "m2"], "the model is given twice"),
+    (["--port", "70000"], "--port"),
+])
+def test_bad_or_contradictory_flags_exit_2_with_one_line(capsys, argv, needle):
+    code = main(["serve", *argv]) if "--bogus" not in argv else _exit_code(["serve", *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+CONFIGS = [launcher.Config, router_service.Config, scheduler_service.Config, worker_service.Config,
+           kvstore_service.Config, EngineConfig]
+
+
+@pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__module__)
+def test_every_setting_is_a_flag_with_help(cls):
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            assert f.metadata["help"], f.name
+    parser = argparse.ArgumentParser()
+    from services.flags import add_flags
+    add_flags(parser, cls)      # no clash between a field's flag and another's alias
+
+
+def _block_size_error(cls, value) -> str:
+    base = {"model": "m", "block_bytes": 1} if cls is kvstore_service.Config else {"model": "m"}
+    names = {f.name for f in dataclasses.fields(cls)}
+    with pytest.raises(ConfigError) as e:
+        from_args(cls, {"block_size": str(value)}, **{k: v for k, v in base.items() if k in names})
+    return str(e.value)
+
+
+@pytest.mark.parametrize("value", [0, 12, 512])
+def test_one_block_size_check_everywhere(value):
+    """The configs used to disagree (>= 1 in one, a power of two in another)."""
+    classes = [c for c in CONFIGS if "block_size" in {f.name for f in dataclasses.fields(c)}]
+    assert len(classes) >= 4
+    assert len({_block_size_error(c, value) for c in classes}) == 1
+
+
+def test_the_launcher_passes_its_router_settings_down(tmp_path, tiny_llama):
+    cfg = serve(tiny_llama, "--api-key", "sk-secret", "--max-queued-requests", "5", "--request-timeout", "30",
+                "--allowed-origins", '["https://a.example"]', "--served-model-name", "tiny-x",
+                "--max-request-body-mb", "2", "--rate-limit", "9")
+    procs = dict(launcher.process_commands(cfg, tiny_llama, str(tmp_path)))
+    argv = procs["router0"]
+    assert "sk-secret" not in " ".join(argv)          # keys travel in the environment, not in `ps`
+    parser = OneLineParser(prog="router")
+    router_service.add_arguments(parser)
+    env = dict(os.environ, **launcher.passed_down(cfg)[1])
+    old = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        rcfg = router_service.config_from_args(parser.parse_args(argv[3:]))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert (rcfg.api_keys, rcfg.max_queued_requests, rcfg.request_timeout_s, rcfg.allowed_origins,
+            rcfg.served_model_name, rcfg.max_request_body_mb, rcfg.rate_limit) == \
+        (["sk-secret"], 5, 30.0, ["https://a.example"], "tiny-x", 2.0, 9)
+
+
+def test_each_process_refuses_a_bad_flag_in_one_line():
+    for module, argv, needle in [("services.router.service", ["--model", "m", "--port", "-1"], "--port"),
+                                 ("services.scheduler.service", ["--model", "m", "--max-num-seqs", "0"], "--max-num-seqs"),
+                                 ("kvstore.service", ["--block-size", "3", "--block-bytes", "8"], "--block-size"),
+                                 ("services.worker.service", ["--model", "m", "--block-size", "3"], "--block-size")]:
+        r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (module, r.stderr)
