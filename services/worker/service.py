@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import logging
 import sys
 import threading
@@ -46,6 +47,8 @@ from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.profile import warm_up_and_profile
+from services.worker.guides import Guides
+from services.worker.model_loader import load_tokenizer
 from services.worker.step_inputs import StepError, StepInputs
 from services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
                                 close_tensor_parallel, init_tensor_parallel)
@@ -83,6 +86,7 @@ class Config:
     torch_threads: int = 0                       # 0: torch's default
     seed: int = 0
     log_level: str = "INFO"
+    grammar_cache_size: int = 256                # compiled structured-output constraints kept (LRU)
 
     def validate(self) -> "Config":
         if not self.model:
@@ -114,6 +118,8 @@ class Config:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"--grammar-cache-size must be at least 1, got {self.grammar_cache_size}")
         return self
 
     @property
@@ -141,6 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=Config.torch_threads)
     p.add_argument("--seed", type=int, default=Config.seed, help="for unseeded sampling")
     p.add_argument("--log-level", default=Config.log_level)
+    p.add_argument("--grammar-cache-size", type=int, default=Config.grammar_cache_size,
+                   help="compiled structured-output constraints kept (LRU)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -149,7 +157,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   kvstore_endpoint=args.kvstore_endpoint, kvstore_timeout_s=args.kvstore_timeout,
                   device=args.device, dtype=args.dtype, block_size=args.block_size,
                   profile_tokens=args.profile_tokens, profile_seqs=args.profile_seqs,
-                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level)
+                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level,
+                  grammar_cache_size=args.grammar_cache_size)
 
 
 # ---- the service core: messages in, messages out (no sockets) ----------------------------------
@@ -162,6 +171,7 @@ class WorkerService:
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
         self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
         self.inputs = StepInputs()
+        self.guides = core.guides if core is not None else None
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
 
@@ -192,7 +202,11 @@ class WorkerService:
         error = None
         try:
             with self.sync.step():   # every step, on every rank, sampled or not (the ordering contract)
-                self.inputs.apply_deltas(msg)
+                new = self.inputs.apply_deltas(msg)
+                if self.guides is not None:   # compiling starts now, alongside this step's forward
+                    for p in new.values():
+                        if p.structured_outputs is not None:
+                            self.guides.prepare(p.structured_outputs)
                 steps, samples = self.inputs.build(msg)
                 if steps:
                     results = self._execute(steps, samples, prompt_logprobs)
@@ -204,6 +218,8 @@ class WorkerService:
             error = f"model error: {type(e).__name__}: {e}"
         finally:
             self.inputs.drop_params(msg)
+            if self.guides is not None:
+                self.guides.forget(msg.dropped_params)
         self.steps_run += 1
         return protocol.StepResult(msg.step, results, error, time.perf_counter() - start,
                                    prompt_logprobs if error is None else {})
@@ -236,7 +252,9 @@ class WorkerService:
 
     def close(self) -> None:
         """Drop every view of the pool, then unmap it (a view touched after close would segfault)."""
-        self.core = None
+        if self.guides is not None:
+            self.guides.close()
+        self.core = self.guides = None
         self.runner.close()
         self.runner = None
         self.pool.close()
@@ -353,7 +371,11 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
         raise StartupError(f"the kvstore's pool for rank {config.rank} is on {where}, this worker runs on "
                            f"{device}: give the kvstore and the worker the same GPU")
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
-    core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
+    core = None
+    if config.rank == 0:
+        guides = Guides(functools.partial(load_tokenizer, config.model), spec.vocab_size, spec.eos_token_ids,
+                        config.grammar_cache_size)
+        core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed, guides=guides)
     return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
 
 
