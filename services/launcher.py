@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.router.service import add_cors_arguments, cors_argv
+from services.router.service import add_cors_arguments, add_structured_arguments, cors_argv, structured_argv
 
 TINY_DIR = Path(".cache/tiny-llama")
 
@@ -107,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="iteration", help="iteration | request (FasterTransformer-style)")
     p.add_argument("--log-level", default="INFO")
     add_cors_arguments(p)     # the routers' own flags, passed through
+    add_structured_arguments(p)
 
 
 def config_from_args(args) -> Config:
@@ -119,7 +120,7 @@ def config_from_args(args) -> Config:
                   max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
                   enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
                   batching=args.batching, log_level=args.log_level.upper(),
-                  extra_router_args=cors_argv(args)).validate()
+                  extra_router_args=cors_argv(args) + structured_argv(args)).validate()
 
 
 def resolve_model(model: str) -> str:

@@ -25,6 +25,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.guided.backends import make_backend
+from services.guided.cache import DEFAULT_CAPACITY, CompileCache
+from services.guided.spec import DEFAULT_BACKEND
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.detokenizer import TokenTexts, fast_decoder
@@ -66,6 +69,10 @@ class RouterContext:
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.grammar_cache = CompileCache(
+            lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
+            getattr(config, "grammar_cache_size", DEFAULT_CAPACITY))
+        self.structured_backend = getattr(config, "structured_outputs_backend", DEFAULT_BACKEND)
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------
     def start(self) -> None:
@@ -76,6 +83,7 @@ class RouterContext:
 
     async def stop(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_cache.close()
         if self.backends is not None:
             await self.backends.close()
         if self.zmq_ctx is not None:

@@ -52,6 +52,10 @@ class Config:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # Structured outputs: the grammar engine (services/guided/spec.py says why xgrammar), and how
+    # many compiled constraints the router keeps (it compiles each once, to refuse a bad one).
+    structured_outputs_backend: str = "xgrammar"
+    grammar_cache_size: int = 256
 
     def __post_init__(self):
         if not self.router_id:
@@ -85,6 +89,12 @@ class Config:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if self.max_stop_strings < 0:
             raise ValueError("--max-stop-strings must be at least 0")
+        from services.guided.spec import BACKENDS
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(f"--structured-outputs-backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"--grammar-cache-size must be at least 1, got {self.grammar_cache_size}")
         for name in CORS_LISTS:
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -137,6 +147,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-strings", type=int, default=Config.max_stop_strings,
                    help="stop strings a request may send (OpenAI's limit is 4)")
     add_cors_arguments(p)
+    add_structured_arguments(p)
+
+
+def add_structured_arguments(p: argparse.ArgumentParser) -> None:
+    """`pagedserve up` takes the same and passes them to its routers."""
+    from services.guided.spec import BACKENDS
+    p.add_argument("--structured-outputs-backend", choices=BACKENDS, default=Config.structured_outputs_backend,
+                   help="grammar engine for response_format / structured_outputs / guided_*")
+    p.add_argument("--grammar-cache-size", type=int, default=Config.grammar_cache_size,
+                   help="compiled constraints kept per process (LRU)")
+
+
+def structured_argv(args) -> list[str]:
+    """The structured-output flags given to `pagedserve up`, as a router's command line."""
+    return ["--structured-outputs-backend", args.structured_outputs_backend,
+            "--grammar-cache-size", str(args.grammar_cache_size)]
 
 
 def config_from_args(args) -> Config:
@@ -149,7 +175,8 @@ def config_from_args(args) -> Config:
                   api_keys=list(args.api_keys), rate_limit=args.rate_limit,
                   rate_limit_window_s=args.rate_limit_window, scheduler_timeout_s=args.scheduler_timeout,
                   log_level=args.log_level.upper(), max_stop_strings=args.max_stop_strings,
-                  **cors_fields(args)).validate()
+                  structured_outputs_backend=args.structured_outputs_backend,
+                  grammar_cache_size=args.grammar_cache_size, **cors_fields(args)).validate()
 
 
 def build_app(config: Config, state=None):
