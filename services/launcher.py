@@ -120,7 +120,7 @@ def config_from_args(args) -> Config:
                   max_num_batched_tokens=args.max_num_batched_tokens, worker_threads=args.worker_threads,
                   enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
                   batching=args.batching, log_level=args.log_level.upper(),
-                  extra_router_args=cors_argv(args) + structured_argv(args)).validate()
+                  extra_router_args=structured_argv(args) + cors_argv(args)).validate()
 
 
 def resolve_model(model: str) -> str:

@@ -43,32 +43,41 @@ class XGrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=1)
         self.vocab_size = vocab_size
+        self.json_tokens = _without_control_bytes(self.info.decoded_vocab, vocab_size, set(stops or ()))
 
     def compile(self, c: dict) -> Any:
+        """-> (xgrammar's CompiledGrammar, whether it is JSON)."""
         kind, spec = c["kind"], c["spec"]
         try:
             if kind in ("json", "json_object"):
                 return self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
-                                                         separators=COMPACT, strict_mode=True)
+                                                         separators=COMPACT, strict_mode=True), True
             if kind == "regex":
-                return self.compiler.compile_regex(spec)
+                return self.compiler.compile_regex(spec), False
             if kind == "choice":
-                return self.compiler.compile_grammar(_choice_ebnf(spec))
-            return self.compiler.compile_grammar(spec)
+                return self.compiler.compile_grammar(_choice_ebnf(spec)), False
+            return self.compiler.compile_grammar(spec), False
         except Exception as e:   # xgrammar raises RuntimeError / ValueError / its own types
             raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
 
     def matcher(self, compiled: Any):
-        return self._xgr.GrammarMatcher(compiled)
+        grammar, is_json = compiled
+        return _XMatcher(self._xgr.GrammarMatcher(grammar), is_json)
 
     def accept(self, m, token_id: int) -> bool:
-        return m.accept_token(token_id)
+        return m.matcher.accept_token(token_id)
 
     def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        self.batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask, rows)
+        # xgrammar 0.2.9 lets a length-bounded JSON string hold raw control characters (its class
+        # is [^"\\\r\n]), which no JSON parser takes; compact JSON has no raw byte below 0x20 at all.
+        json_rows = [r for m, r in zip(matchers, rows) if m.is_json]
+        if json_rows:
+            idx = torch.tensor(json_rows, dtype=torch.long)
+            bitmask[idx] &= self.json_tokens
 
     def is_finished(self, m) -> bool:
-        return m.is_terminated()
+        return m.matcher.is_terminated()
 
 
 class GuidanceBackend:
@@ -116,6 +125,25 @@ class GuidanceBackend:
 
     def is_finished(self, m) -> bool:
         return m.is_stopped()
+
+
+class _XMatcher:
+    __slots__ = ("matcher", "is_json")
+
+    def __init__(self, matcher, is_json: bool):
+        self.matcher, self.is_json = matcher, is_json
+
+
+def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int, keep: set[int]) -> torch.Tensor:
+    """int32 bitmask row [ceil(V/32)]: every token but those whose bytes hold one below 0x20 (the
+    stop tokens stay; ids past the tokenizer's are left to the grammar's own mask)."""
+    allowed = torch.ones(bitmask_width(vocab_size) * 32, dtype=torch.bool)
+    for t, raw in enumerate(decoded_vocab[:vocab_size]):
+        if t not in keep and any(b < 0x20 for b in raw):
+            allowed[t] = False
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    packed = bits.sum(dim=1)                                   # [W] in [0, 2**32)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
 
 
 BACKEND_TYPES = {b.name: b for b in (XGrammarBackend, GuidanceBackend)}
