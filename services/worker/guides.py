@@ -18,6 +18,7 @@ allowed-token bitmask. Owned by WorkerCore (rank 0, which samples); no I/O.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class Guides:
         self.cache = CompileCache(factory, capacity)
         self.seqs: dict[int, _Guided] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self.mask_seconds = 0.0       # spent filling masks (on the mask thread, beside the forward)
+        self.mask_rows = 0
 
     def prepare(self, constraint: dict) -> None:
         """New params carry this constraint: start compiling it now."""
@@ -96,6 +99,7 @@ class Guides:
 
     # ---- on the mask thread ------------------------------------------------------------------
     def _masks(self, reqs: list[SampleRequest], rows: list[int]) -> tuple[list[int], torch.Tensor]:
+        start = time.perf_counter()
         bitmask = torch.zeros(len(reqs), self.width, dtype=torch.int32)   # [G, ceil(V/32)]
         by_backend: dict[int, tuple] = {}
         for i, r in enumerate(reqs):
@@ -108,6 +112,8 @@ class Guides:
             entry[2].append(i)
         for backend, matchers, idx in by_backend.values():
             backend.fill(matchers, bitmask, idx)
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_rows += len(reqs)
         return rows, bitmask
 
     def _matcher(self, r: SampleRequest) -> _Guided:
