@@ -140,6 +140,10 @@ def test_the_offline_engine_keeps_to_a_json_schema(tiny_llama, backend):
         for o in stopped:
             assert valid.is_valid(json.loads(o.text)), o.text
         assert not eng.guides.seqs, "finished requests leave no matchers behind"
+        # Fuzzed schemas (nested objects, arrays, enums, numbers, patterns): every stop validates.
+        from loadgen.bench_structured import fuzz
+        stopped, valid, n = fuzz(eng, 12, backend, max_tokens=128, seed=5)
+        assert valid == stopped >= n // 2
         with pytest.raises(GrammarError, match="foo"):
             eng.generate(["x"], SamplingParams(structured_outputs=specs.make(
                 "json", {"type": "object", "properties": {"a": {"type": "foo"}}}, backend)))

@@ -82,6 +82,10 @@ def test_json_object_regex_choice_grammar(stack, tiny_llama):
         for text, why in run(body, n=2, max_tokens=60):
             if why == "stop":
                 assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
+    # Streamed, the same rule holds for the joined text.
+    chunks = c.completions.create(model=tiny_llama, prompt="x = ", max_tokens=40, seed=3, stream=True,
+                                  extra_body={"guided_regex": r"[a-z]{2,5}-[0-9]{3}"})
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", "".join(ch.choices[0].text for ch in chunks if ch.choices))
     # Greedy too: the mask comes before the argmax.
     (text, why), = run({"guided_regex": "(true|false)"}, temperature=0)
     assert why == "stop" and text in ("true", "false")

@@ -93,6 +93,11 @@ class Guides:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
 
+    def stats(self) -> dict:
+        return {"guided_seqs": len(self.seqs), "grammar_mask_s": self.mask_seconds, "grammar_mask_rows": self.mask_rows,
+                "grammar_compiled": len(self.cache), "grammar_cache_hits": self.cache.hits,
+                "grammar_cache_misses": self.cache.misses}
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.cache.close()

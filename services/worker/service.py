@@ -190,7 +190,8 @@ class WorkerService:
         if isinstance(msg, protocol.GetStats):
             return protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size,
                                         "steps": self.steps_run, "tables": len(self.inputs.tables),
-                                        "params": len(self.inputs.params)})
+                                        "params": len(self.inputs.params),
+                                        **(self.guides.stats() if self.guides is not None else {})})
         log.warning("rejected %s: not a worker request", type(msg).__name__)
         return protocol.Error(f"the worker does not handle {type(msg).__name__}", code=404)
 
