@@ -4,6 +4,7 @@ offline engine taking a constraint through SamplingParams (both engines)."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema_rs
 import pytest
@@ -147,3 +148,19 @@ def test_the_offline_engine_keeps_to_a_json_schema(tiny_llama, backend):
         with pytest.raises(GrammarError, match="foo"):
             eng.generate(["x"], SamplingParams(structured_outputs=specs.make(
                 "json", {"type": "object", "properties": {"a": {"type": "foo"}}}, backend)))
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_sequences_keep_to_their_grammar(tiny_llama, mode):
+    from services.engine import Engine
+    from services.engine_config import EngineConfig
+    pattern = r"(\d )+"
+    with Engine(EngineConfig(model=tiny_llama, num_device_blocks=8, num_host_blocks=32,
+                             preemption_mode=mode)) as eng:
+        params = [SamplingParams(n=2, max_tokens=40, temperature=1.0, seed=i,
+                                 structured_outputs=specs.make("regex", pattern)) for i in range(3)]
+        outs = eng.generate([f"row {i}:" for i in range(3)], params)
+        assert eng.stats()[f"preempted_by_{mode}"] > 0
+        for out in outs:
+            for o in out.outputs:
+                assert re.fullmatch(pattern if o.finish_reason == "stop" else r"(\d )*\d?", o.text), o.text
