@@ -32,7 +32,8 @@ MESSAGES = [
 STRICT_TYPES = "strict types: a string, float or boolean where a number or boolean is declared is a 400"
 NULL_DEFAULT = "null is the default in every optional field, n and vLLM's own extensions too (vLLM refuses it there)"
 N_GREEDY = "n > 1 at temperature 0 is allowed (vLLM refuses it)"
-NOT_SERVED = "structured output and tool calling are refused with a 400, not served"
+NOT_SERVED = 'tool_choice "auto" (the default with tools) is refused with a 400: it needs a tool parser'
+COMPACT = "structured JSON output has compact whitespace (no blanks between tokens); vLLM's allows any"
 BEST_OF = "best_of is served: below n it is a 400 (OpenAI's rule), and it cannot be streamed; vLLM ignores it"
 LOGIT_BIAS_RANGE = "logit_bias values must be in OpenAI's [-100, 100]; vLLM takes any"
 EMPTY_PROMPT = "an empty prompt is a 400 in a batch too; vLLM refuses it alone only"
@@ -143,6 +144,14 @@ def completion_cases() -> list[dict]:
                                                              some_new_field=1)),
         _case("cmpl-response-format-text", "/v1/completions",
               _cmpl(prompt=PROMPTS[0], temperature=0, max_tokens=4, response_format={"type": "text"})),
+        _case("cmpl-guided-choice", "/v1/completions",
+              _cmpl(prompt=PROMPTS[0], temperature=0, max_tokens=8, guided_choice=["yes", "no"])),
+        _case("cmpl-structured-regex", "/v1/completions",
+              _cmpl(prompt=PROMPTS[1], temperature=0, max_tokens=12,
+                    structured_outputs={"regex": "[a-z]{3}-[0-9]{2}"})),
+        _case("cmpl-json-object", "/v1/completions",
+              _cmpl(prompt=PROMPTS[2], temperature=0, max_tokens=16, response_format={"type": "json_object"}),
+              deliberate=COMPACT),
     ]
     return out
 
@@ -183,11 +192,18 @@ def chat_cases() -> list[dict]:
         ("assistant-null-content", {"messages": [*m0, {"role": "assistant", "content": None},
                                                  {"role": "user", "content": "go"}], "max_tokens": 4}),
         ("name", {"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 4}),
+        ("json-schema", {"max_tokens": 24, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "strict": True, "schema": {"type": "object", "required": ["ok"],
+                                                          "properties": {"ok": {"type": "boolean"}}}}}}),
+        ("tool-named", {"max_tokens": 24, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}),
     ]
     for name, fields in extra:
         body = {"model": "$MODEL", "messages": m0, "temperature": 0, **fields}
         out.append(_case(f"chat-{name}", "/v1/chat/completions", body,
-                         deliberate={"n2-greedy": N_GREEDY, "echo": CHAT_ECHO}.get(name)))
+                         deliberate={"n2-greedy": N_GREEDY, "echo": CHAT_ECHO, "json-schema": COMPACT,
+                                     "tool-named": COMPACT}.get(name)))
     return out
 
 
@@ -247,8 +263,9 @@ def bad_cases() -> list[dict]:
         ("suffix", {"suffix": "y"}, None), ("prompt-logprobs-stream", {"prompt_logprobs": 1, "stream": True}, None),
         ("ignore-eos-string", {"ignore_eos": "yes"}, STRICT_TYPES),
         ("stream-options-no-stream", {"stream_options": {"include_usage": True}}, None),
-        ("response-format-json", {"response_format": {"type": "json_object"}}, NOT_SERVED),
-        ("guided-choice", {"guided_choice": ["a", "b"]}, NOT_SERVED),
+        ("response-format-yaml", {"response_format": {"type": "yaml"}}, None),
+        ("guided-choice-empty", {"guided_choice": []}, None),
+        ("guided-json-bad-type", {"guided_json": {"type": "object", "properties": {"a": {"type": "foo"}}}}, None),
         ("prompt-logprobs-21", {"prompt_logprobs": 21}, None),
         ("echo-string", {"echo": "yes"}, STRICT_TYPES),
         ("stream-string", {"stream": "true"}, STRICT_TYPES),
@@ -274,9 +291,7 @@ def bad_cases() -> list[dict]:
         ("tools-called", {"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}]}, NOT_SERVED),
         ("tools-empty", {"messages": m, "tools": []}, None),
         ("tool-choice-required", {"messages": m, "tool_choice": "required"}, None),
-        ("response-format-schema", {"messages": m, "response_format": {"type": "json_schema",
-                                                                        "json_schema": {"name": "x", "schema": {}}}},
-         NOT_SERVED),
+        ("response-format-schema-missing", {"messages": m, "response_format": {"type": "json_schema"}}, None),
         ("both-continue-and-generate", {"messages": [{"role": "assistant", "content": "hi"}],
                                         "continue_final_message": True}, None),
         ("temperature-2.5", {"messages": m, "temperature": 2.5}, None),

@@ -166,6 +166,10 @@ def kv_pool_bytes(config) -> int:
     return int((config.kv_cache_memory_gib or DEFAULT_KV_GIB) * (1 << 30))
 
 
+def grammar_cache_size(default: int = 256):
+    return opt(default, "compiled structured-output constraints kept per process (LRU)", check=at_least(1))
+
+
 def seed(default: int = 0):
     return opt(default, "seed of unseeded sampling")
 

@@ -18,8 +18,10 @@ from services.router.detokenizer import without_cut_character
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.sampling_params import SamplingParams
-from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
+from services.worker.model_loader import (inspect_model_dir, load_model, load_tokenizer,
+                                          serving_dtype)
 from services.worker.model_runner import ModelRunner
+from services.worker.guides import Guides
 from services.worker.worker_core import WorkerCore
 
 
@@ -57,14 +59,6 @@ class RequestOutput:
                 "num_preemptions": self.num_preemptions, "prompt_logprobs": self.prompt_logprobs}
 
 
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception as e:  # missing/invalid tokenizer files raise several types
-        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from None
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
@@ -89,7 +83,9 @@ class Engine:
                                 policy=make_policy(config.allocation, self.max_model_len))
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
                                   self.dtype, config.device)
-        self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed)
+        tokenizer = self.tokenizer
+        self.guides = Guides(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)
+        self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed, guides=self.guides)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
@@ -117,7 +113,10 @@ class Engine:
         scheduled = self.scheduler.schedule()
         prompt_logprobs: dict = {}
         results = self.worker.execute(scheduled.steps, scheduled.samples, prompt_logprobs) if scheduled.steps else []
-        return self.scheduler.update(scheduled, results, prompt_logprobs)
+        finished = self.scheduler.update(scheduled, results, prompt_logprobs)
+        for req in finished:   # their grammar matchers go with them
+            self.guides.forget_seqs([s.seq_id for s in (*req.seqs, *req.finished)])
+        return finished
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams],
@@ -133,6 +132,9 @@ class Engine:
         ids = [self.tokenize(p) for p in prompts]
         for i, p, n in zip(ids, plist, lens):
             self.scheduler.check_request(i, p, n)
+        for p in plist:   # a constraint that cannot compile raises GrammarError (a ValueError) here
+            if p.structured_outputs is not None:
+                self.guides.cache.compile(p.structured_outputs)
         order = [self.add_request(i, p, true_output_len=n) for i, p, n in zip(ids, plist, lens)]
         while self.scheduler.has_unfinished():
             self.step()
@@ -158,6 +160,7 @@ class Engine:
         return {**self.store.stats(), **dict(self.scheduler.stats), "kv_breakdown": self.scheduler.kv_breakdown()}
 
     def close(self) -> None:
+        self.guides.close()
         self.runner = self.worker = None   # drop the views of the pool before unmapping it
         for pool in (self.device_pool, self.host_pool):
             _release(pool)

@@ -150,7 +150,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--dtype", str(dtype).removeprefix("torch."),
                                              "--profile-tokens", str(cfg.max_num_batched_tokens),
                                              "--profile-seqs", str(cfg.max_num_seqs),
-                                             "--torch-threads", str(threads)]))
+                                             "--torch-threads", str(threads),
+                                             "--grammar-cache-size", str(cfg.grammar_cache_size)]))
     procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
                                      "--max-num-seqs", str(cfg.max_num_seqs),

@@ -30,9 +30,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-VERSION = 4   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+VERSION = 5   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
 #             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
 #             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
+#             5: sampling params carry structured_outputs (AddRequest, ExecuteStep.new_params)
 
 
 class ProtocolError(ValueError):

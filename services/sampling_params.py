@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.guided import spec as guided_spec
+
 # Below this a temperature counts as greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # vLLM's default --max-logprobs.
@@ -69,6 +71,9 @@ class SamplingParams:
     # k >= 0: each prompt token's logprob given the tokens before it, plus the top-k alternatives
     # (vLLM's prompt_logprobs; what completions' echo with logprobs shows for the prompt).
     prompt_logprobs: int | None = None
+    # A structured-output constraint, services.guided.spec's wire form {kind, spec, backend}: the
+    # worker masks each step's logits to the tokens its grammar allows.
+    structured_outputs: dict | None = None
 
     @property
     def use_beam_search(self) -> bool:
@@ -185,6 +190,17 @@ class SamplingParams:
                                                         f"[-100, 100], got {token_id}: {bias}")
         if self.logit_bias and self.use_beam_search:
             raise SamplingParamsError("logit_bias", "logit_bias does not apply to beam search")
+        if self.structured_outputs is not None:
+            try:
+                guided_spec.check(self.structured_outputs)
+            except ValueError as e:
+                raise SamplingParamsError("structured_outputs", f"structured_outputs {e}") from None
+            # The grammar ends on EOS: a request that may not end there (beams ranked on raw
+            # logprobs, ignore_eos, min_tokens past the grammar's end) could not keep to it.
+            clash = [name for name, on in (("use_beam_search", self.use_beam_search), ("ignore_eos", self.ignore_eos),
+                                           ("min_tokens", self.min_tokens > 0)) if on]
+            if clash:
+                raise SamplingParamsError(clash[0], f"{clash[0]} cannot be combined with structured output")
         return self
 
     def to_dict(self) -> dict[str, Any]:

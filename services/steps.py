@@ -33,3 +33,5 @@ class SampleRequest:
     output_token_ids: list[int]
     seq_index: int = 0
     beam_candidates: int = 0     # > 0: return this many top raw logprobs instead of sampling
+    params_key: str = ""         # the request's params on the worker (its grammar matchers go with them)
+    has_history: bool = True     # False: output_token_ids only stands in for the count (not sent)

@@ -26,6 +26,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.admission import Admission, Ticket
+from services.guided.backends import make_backend
+from services.guided.cache import CompileCache
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.detokenizer import TokenTexts, fast_decoder
@@ -69,6 +71,10 @@ class RouterContext:
         self.zmq_ctx: zmq.asyncio.Context | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self.grammar_cache = CompileCache(
+            lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
+            config.grammar_cache_size)
+        self.structured_backend = config.structured_outputs_backend
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------
     def start(self) -> None:
@@ -79,6 +85,7 @@ class RouterContext:
 
     async def stop(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_cache.close()
         if self.backends is not None:
             await self.backends.close()
         if self.zmq_ctx is not None:

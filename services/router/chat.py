@@ -7,7 +7,11 @@ from typing import TYPE_CHECKING
 from services.router.choices import ChoiceEvent
 from services.router.errors import bad_request
 from services.router.generation import Generation
-from services.router.openai_schema import ChatCompletionRequest, check_no_tools, parse_body, sampling_params
+from services.guided import spec as specs
+from services.router.constraints import constraint_of
+from services.router.constraints import check as check_constraint
+from services.router.openai_schema import ChatCompletionRequest, parse_body, sampling_params
+from services.router.tools import ToolPlan, tool_plan
 from services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from services.sampling_params import MAX_LOGPROBS
 
@@ -18,7 +22,7 @@ if TYPE_CHECKING:
 async def create_chat_completion(ctx: "RouterContext", request):
     req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
-    check_no_tools(req)
+    plan = tool_plan(req)
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
@@ -31,9 +35,16 @@ async def create_chat_completion(ctx: "RouterContext", request):
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No max_tokens in chat means "the rest of the context", as in vLLM.
     max_tokens = ctx.fit_max_tokens([len(prompt_ids)], asked, "messages")
+    constraint, constraint_param = constraint_of(req, ctx.structured_backend)
+    if plan is not None:
+        if constraint is not None:
+            raise bad_request(f"a tool call is a structured output already: drop {constraint_param}", "tool_choice")
+        constraint, constraint_param = specs.make("json", plan.schema, ctx.structured_backend), "tools"
     params, n = sampling_params(req, max_tokens=max_tokens,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings)
+                                vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings,
+                                structured_outputs=constraint)
+    await check_constraint(ctx.grammar_cache, constraint, constraint_param)
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream), true_output_len=req.true_output_len,
@@ -41,7 +52,7 @@ async def create_chat_completion(ctx: "RouterContext", request):
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
-                        req.prompt_logprobs is not None, req.return_token_ids)
+                        req.prompt_logprobs is not None, req.return_token_ids, plan)
     return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
 
 
@@ -108,12 +119,14 @@ def _developer_as_system(messages: list[dict]) -> list[dict]:
 
 class ChatFormatter:
     def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None,
-                 echo: str = "", with_prompt_logprobs: bool = False, token_ids: bool = False):
+                 echo: str = "", with_prompt_logprobs: bool = False, token_ids: bool = False,
+                 tools: ToolPlan | None = None):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
         self.token_ids = token_ids       # return_token_ids
         self.top = top_logprobs          # None: no logprobs asked
         self.echo = echo                 # text every choice starts with (chat echo)
         self.with_prompt_logprobs = with_prompt_logprobs
+        self.tools = tools               # the output is a tool call (tool_choice required / named)
         self.created = int(time.time())
 
     def _base(self, obj: str = "chat.completion.chunk") -> dict:
@@ -151,14 +164,21 @@ class ChatFormatter:
                 **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
         return out
 
+    def _message(self, c) -> dict:
+        """The message and finish reason of a finished choice; a tool call's text becomes tool_calls."""
+        calls = self.tools.calls(c.text) if self.tools is not None and c.finish_reason == "stop" else None
+        if calls is None:
+            return {"message": {"role": "assistant", "content": self.echo + c.text}, "finish_reason": c.finish_reason}
+        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+
     def usage_chunk(self) -> dict:
         return {**self._base(), "choices": [], "usage": usage(self.gen, self.gen.all_choices)}
 
     def final(self) -> dict:
         picked = best_choices(self.gen, self.n)
         return {**self._base("chat.completion"),
-                "choices": [{"index": i, "message": {"role": "assistant", "content": self.echo + c.text},
-                             "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                "choices": [{"index": i, **self._message(c),
+                             "logprobs": self._logprobs(c.logprobs),
                              "stop_reason": c.stop_reason,
                              **({"token_ids": list(c.token_ids)} if self.token_ids else {})}
                             for i, c in enumerate(picked)],

@@ -5,6 +5,8 @@ import time
 from typing import TYPE_CHECKING
 
 from services.router.choices import ChoiceEvent, ChoiceState
+from services.router.constraints import check as check_constraint
+from services.router.constraints import constraint_of
 from services.router.errors import bad_request
 from services.router.generation import Generation
 from services.router.openai_schema import CompletionRequest, parse_body, sampling_params
@@ -31,9 +33,12 @@ async def create_completion(ctx: "RouterContext", request):
         raise bad_request("echo with logprobs streams one prompt at a time", "echo")
     # Echo with logprobs shows the prompt's logprobs too, in the logprobs and (as vLLM) as
     # prompt_logprobs: vLLM sets prompt_logprobs = logprobs.
+    constraint, constraint_param = constraint_of(req, ctx.structured_backend)
     params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.info.vocab_size,
                                 max_stop_strings=ctx.config.max_stop_strings,
-                                prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None)
+                                prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None,
+                                structured_outputs=constraint)
+    await check_constraint(ctx.grammar_cache, constraint, constraint_param)
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
                      stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,

@@ -63,8 +63,8 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    # Structured output is not served here: declared so that asking for it is a clear 400, not
-    # text that silently ignores the constraint.
+    # Structured output (services/router/constraints.py reads these): OpenAI's response_format,
+    # vLLM's structured_outputs and its older guided_* fields.
     response_format: dict | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -105,7 +105,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     add_special_tokens: bool = False          # as vLLM: the chat template writes the BOS itself
-    # Tool calling is not served: declared so that asking for it is a clear 400.
+    # Tool calling: tool_choice "required" or a named function constrains the output to the tools'
+    # argument schemas (services/router/tools.py); "auto" needs a model's tool parser: a 400.
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
@@ -175,7 +176,8 @@ def validation_error(errors: list) -> APIError:
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    max_stop_strings: int, prompt_logprobs: int | None = None) -> tuple[SamplingParams, int]:
+                    max_stop_strings: int, prompt_logprobs: int | None = None,
+                    structured_outputs: dict | None = None) -> tuple[SamplingParams, int]:
     """The request's SamplingParams (validated) and how many choices the client gets back.
 
     params.n is what the scheduler runs: best_of when it exceeds n (the best n are returned).
@@ -187,12 +189,6 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
             raise bad_request(f"logit_bias keys must be token ids below {vocab_size}, got {key!r}", "logit_bias")
         logit_bias[int(key)] = bias
-    for name in _NOT_SERVED:
-        if getattr(req, name) is not None:
-            raise bad_request(f"{name} is not supported by this server (no structured output)", name)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported "
-                          f"(no structured output); only 'text'", "response_format")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs cannot be streamed", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
@@ -225,7 +221,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         ignore_eos=req.ignore_eos, beam_width=best_of if req.use_beam_search else 1,
         length_penalty=req.length_penalty, early_stopping=req.early_stopping,
         cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
-        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        structured_outputs=structured_outputs)
     try:
         params = SamplingParams(**fields).validate()
     except SamplingParamsError as e:
@@ -239,24 +236,6 @@ MAX_TEMPERATURE = 2.0
 # The sampler adds each bias row by row every step: a bound keeps a request from slowing its batch.
 MAX_LOGIT_BIAS = 1024
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
-_NOT_SERVED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-
-
-def check_no_tools(req: ChatCompletionRequest) -> None:
-    """Tool calling is not served: tools are fine only with tool_choice "none" (as vLLM without a
-    tool parser); anything that asks the model to call one is a 400."""
-    if req.functions or req.function_call not in (None, "none"):
-        raise bad_request("functions are not supported; this server does no tool calling", "functions")
-    choice = req.tool_choice
-    if req.tools == []:
-        raise bad_request("tools must not be empty; leave it out for no tools", "tools")
-    if req.tools:
-        if choice != "none":
-            raise bad_request('tool calling is not supported; send tools only with tool_choice "none"',
-                              "tool_choice")
-    elif choice not in (None, "none"):     # as vLLM: "auto" without tools is a 400 too
-        raise bad_request(f"tool_choice {choice!r} needs tools, and this server does no tool calling",
-                          "tool_choice")
 
 
 def _default(value, default):

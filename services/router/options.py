@@ -10,8 +10,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from services import config_fields as cf
 from services.config_fields import at_least, positive
 from services.flags import opt
+from services.guided.spec import BACKENDS, DEFAULT_BACKEND
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
@@ -52,6 +54,11 @@ class RouterOptions:
     allowed_methods: list[str] = _cors(["*"], "methods allowed cross-origin")
     allowed_headers: list[str] = _cors(["*"], "headers allowed cross-origin")
     allow_credentials: bool = opt(False, "allow credentials cross-origin")
+    # Structured outputs: the grammar engine (services/guided/spec.py says why xgrammar), and how
+    # many compiled constraints a router keeps (it compiles each once, to refuse a bad one).
+    structured_outputs_backend: str = opt(DEFAULT_BACKEND, "grammar engine for response_format / "
+                                                           "structured_outputs / guided_*", choices=BACKENDS)
+    grammar_cache_size: int = cf.grammar_cache_size()
 
     @property
     def auth_required(self) -> bool:

@@ -56,6 +56,11 @@ class WorkerView:
             if key in self.with_history:
                 for w in wanted:
                     histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
+            elif len(s.token_ids) > 1 and req.params.structured_outputs is not None:
+                # A recompute's prefill: the worker may rebuild the grammar state from the tokens.
+                for w in wanted:
+                    if w.output_token_ids:
+                        histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
             if s.prompt_logprobs >= 0:
                 prompt_logprobs[s.seq_id] = [s.prompt_logprobs, s.next_token]
             ids.append(s.seq_id)

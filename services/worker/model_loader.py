@@ -171,3 +171,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         raise ModelLoadError(f"weights missing from {model_dir}: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
     return model.eval(), spec
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # missing/invalid tokenizer files raise several types
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from None

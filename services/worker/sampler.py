@@ -1,7 +1,7 @@
 """The worker's sampler: turns one step's logits into one token per sequence. Pure torch, no I/O.
 
 This module owns the order and arithmetic of logit processing (vLLM's):
-    min_tokens (mask EOS and stop_token_ids) -> logit_bias -> repetition penalty (prompt + output tokens)
+    grammar bitmask (structured outputs: tokens the grammar forbids to -inf) -> min_tokens (mask EOS and stop_token_ids) -> logit_bias -> repetition penalty (prompt + output tokens)
     -> frequency and presence penalties (output tokens) -> greedy rows: argmax
     -> other rows: temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
 Returned logprobs are those of the raw model distribution (log_softmax of the logits before any
@@ -85,13 +85,16 @@ def derive_row_seed(seed: int, seq_index: int, step: int) -> int:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Sequence[int] | None,
-           generator: torch.Generator | None = None) -> SamplerOutput:
+           generator: torch.Generator | None = None,
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
     """Sample one token per row. logits [S, V] (one row per entry of `rows`) are not modified.
 
     `eos_token_id`: the model's EOS id, or several (some models end on any of a few), or None;
     only min_tokens uses it.
     `generator`: CPU generator that seeds this call's randomness for rows without a seed (see the
     module docstring); seeded rows ignore it.
+    `allowed`: (row indices, int32 bitmask [G, ceil(V/32)]) of the rows a grammar constrains; bit t
+    of a row set means token t is allowed (services/worker/guides.py builds it).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
@@ -103,6 +106,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Se
         eos_ids: tuple[int, ...] = ()
     else:
         eos_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if allowed is not None:
+        apply_token_bitmask(processed, *allowed)
     _apply_min_tokens(processed, rows, eos_ids)
     _apply_logit_bias(processed, rows)
     _apply_repetition_penalty(processed, rows)
@@ -133,6 +138,21 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Se
             tops[i] = list(zip(ids[j][:k], values[j][:k]))
     return SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(),
                          top_logprobs=tops)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, chosen: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf (in place) the logits of the chosen rows whose bit in bitmask [G, W] is clear.
+
+    One unpack for all G rows: [G, W] -> [G, W, 32] bits -> [G, V]; the other rows are untouched."""
+    vocab = logits.shape[1]
+    bits = bitmask.to(logits.device, non_blocking=True)[:, :, None] >> _BIT_SHIFTS.to(logits.device)   # [G, W, 32]
+    banned = (bits & 1).view(len(chosen), -1)[:, :vocab] == 0   # [G, V]
+    sub = _take_rows(logits, chosen)  # [G, V]
+    sub.masked_fill_(banned, float("-inf"))
+    _put_rows(logits, chosen, sub)
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_ids: tuple[int, ...]) -> None:

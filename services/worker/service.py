@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import logging
 import sys
 import threading
@@ -48,6 +49,8 @@ from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
 from services.worker.profile import warm_up_and_profile
+from services.worker.guides import Guides
+from services.worker.model_loader import load_tokenizer
 from services.worker.step_inputs import StepError, StepInputs
 from services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
                                 close_tensor_parallel, init_tensor_parallel)
@@ -89,6 +92,7 @@ class Config:
     torch_threads: int = opt(0, "torch threads (0: torch's default)", check=at_least(0))
     seed: int = cf.seed()
     log_level: str = cf.log_level()
+    grammar_cache_size: int = cf.grammar_cache_size()
 
     def cross_check(self) -> str | None:
         if not self.rank < self.tp_size:
@@ -122,6 +126,7 @@ class WorkerService:
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
         self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
         self.inputs = StepInputs()
+        self.guides = core.guides if core is not None else None
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
 
@@ -140,7 +145,8 @@ class WorkerService:
         if isinstance(msg, protocol.GetStats):
             return protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size,
                                         "steps": self.steps_run, "tables": len(self.inputs.tables),
-                                        "params": len(self.inputs.params)})
+                                        "params": len(self.inputs.params),
+                                        **(self.guides.stats() if self.guides is not None else {})})
         log.warning("rejected %s: not a worker request", type(msg).__name__)
         return protocol.Error(f"the worker does not handle {type(msg).__name__}", code=404)
 
@@ -152,7 +158,11 @@ class WorkerService:
         error = None
         try:
             with self.sync.step():   # every step, on every rank, sampled or not (the ordering contract)
-                self.inputs.apply_deltas(msg)
+                new = self.inputs.apply_deltas(msg)
+                if self.guides is not None:   # compiling starts now, alongside this step's forward
+                    for p in new.values():
+                        if p.structured_outputs is not None:
+                            self.guides.prepare(p.structured_outputs)
                 steps, samples = self.inputs.build(msg)
                 if steps:
                     results = self._execute(steps, samples, prompt_logprobs)
@@ -164,6 +174,8 @@ class WorkerService:
             error = f"model error: {type(e).__name__}: {e}"
         finally:
             self.inputs.drop_params(msg)
+            if self.guides is not None:
+                self.guides.forget(msg.dropped_params)
         self.steps_run += 1
         return protocol.StepResult(msg.step, results, error, time.perf_counter() - start,
                                    prompt_logprobs if error is None else {})
@@ -196,7 +208,9 @@ class WorkerService:
 
     def close(self) -> None:
         """Drop every view of the pool, then unmap it (a view touched after close would segfault)."""
-        self.core = None
+        if self.guides is not None:
+            self.guides.close()
+        self.core = self.guides = None
         self.runner.close()
         self.runner = None
         self.pool.close()
@@ -313,7 +327,11 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
         raise StartupError(f"the kvstore's pool for rank {config.rank} is on {where}, this worker runs on "
                            f"{device}: give the kvstore and the worker the same GPU")
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
-    core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed) if config.rank == 0 else None
+    core = None
+    if config.rank == 0:
+        guides = Guides(functools.partial(load_tokenizer, config.model), spec.vocab_size, spec.eos_token_ids,
+                        config.grammar_cache_size)
+        core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed, guides=guides)
     return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
 
 

@@ -23,7 +23,7 @@ class StepInputs:
         self.tables: dict[int, list[int]] = {}          # seq_id -> physical block ids
         self.params: dict[str, SamplingParams] = {}     # params_key -> constructed params
 
-    def apply_deltas(self, msg: ExecuteStep) -> None:
+    def apply_deltas(self, msg: ExecuteStep) -> dict[str, SamplingParams]:
         """Freed tables first, then table updates (a seq freed and re-admitted in one step gets its
         new table), then new params. Checked before anything changes: a bad delta changes nothing."""
         updates = []
@@ -49,6 +49,7 @@ class StepInputs:
             del table[start:]
             table.extend(blocks)
         self.params.update(built)
+        return built
 
     def drop_params(self, msg: ExecuteStep) -> None:
         """After the step: a request may finish and be dropped in the same message that samples it."""
@@ -94,5 +95,6 @@ class StepInputs:
             # per-row seed of seeded sampling) and never the prompt: a list of the right length
             # stands in for the real tokens, which the scheduler does not send every step.
             prompt_ids, output_ids = [], [0] * num_output
-        return SampleRequest(seq_id, params, prompt_ids, output_ids, seq_index, beam_candidates)
+        return SampleRequest(seq_id, params, prompt_ids, output_ids, seq_index, beam_candidates, key,
+                             history is not None)
 

@@ -9,14 +9,17 @@ import torch
 
 from services.steps import SampleRequest, SampleResult  # noqa: F401  (re-exported)
 from services.worker.model_runner import ModelRunner, SeqStep
+from services.worker.guides import Guides
 from services.worker.sampler import SamplingRow, sample, top_logprobs
 
 
 class WorkerCore:
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], seed: int = 0):
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], seed: int = 0,
+                 guides: Guides | None = None):
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
+        self.guides = guides      # structured outputs; None: a request with a constraint is refused
 
     def execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]],
                 prompt_logprobs: dict | None = None) -> list[SampleResult]:
@@ -24,9 +27,15 @@ class WorkerCore:
         prompt logprobs of the steps that ask go into the prompt_logprobs dict given."""
         for step, wanted in zip(steps, samples):
             step.wants_logits = bool(wanted)
-        logits = self.runner.execute(steps, prompt_logprobs=prompt_logprobs)   # [R, vocab], one row per wanting step
-        rows = [i for i, wanted in enumerate(samples) if wanted for _ in wanted]
         reqs = [r for wanted in samples for r in wanted]
+        draw = [j for j, r in enumerate(reqs) if not r.beam_candidates]
+        # The grammar masks of this step's guided rows fill while the forward pass runs.
+        masks = self._start_masks([reqs[j] for j in draw])
+        try:
+            logits = self.runner.execute(steps, prompt_logprobs=prompt_logprobs)   # [R, vocab], one row per wanting step
+        finally:
+            allowed = masks.result() if masks is not None else None
+        rows = [i for i, wanted in enumerate(samples) if wanted for _ in wanted]
         if not reqs:
             return []
         row_of = {}
@@ -35,7 +44,6 @@ class WorkerCore:
         expanded = logits[torch.tensor([row_of[i] for i in rows], dtype=torch.long)]   # [N, vocab]
         results = [SampleResult(r.seq_id) for r in reqs]
         beam = [j for j, r in enumerate(reqs) if r.beam_candidates]
-        draw = [j for j, r in enumerate(reqs) if not r.beam_candidates]
         if beam:
             k = max(reqs[j].beam_candidates for j in beam)
             values, ids = top_logprobs(expanded[beam], k)
@@ -45,9 +53,18 @@ class WorkerCore:
         if draw:
             sampling_rows = [SamplingRow(reqs[j].params, reqs[j].prompt_token_ids,
                                          reqs[j].output_token_ids, reqs[j].seq_index) for j in draw]
-            out = sample(expanded[draw], sampling_rows, self.eos_token_ids, self.generator)
+            out = sample(expanded[draw], sampling_rows, self.eos_token_ids, self.generator, allowed)
+            if allowed is not None:
+                self.guides.advance([reqs[j] for j in draw], out.token_ids)
             for n, j in enumerate(draw):
                 results[j].token_id = out.token_ids[n]
                 results[j].logprob = out.logprobs[n]
                 results[j].top_logprobs = out.top_logprobs[n]
         return results
+
+    def _start_masks(self, reqs: list[SampleRequest]):
+        if self.guides is None:
+            if any(r.params.structured_outputs is not None for r in reqs):
+                raise ValueError("this worker serves no structured outputs")
+            return None
+        return self.guides.start_masks(reqs)

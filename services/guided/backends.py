@@ -1,0 +1,173 @@
+"""The grammar engines behind one interface: compile a constraint, make matchers, fill bitmasks.
+
+A Backend is built once per process from the model's tokenizer and vocabulary width (the logits'
+width, which may exceed the tokenizer's). `compile` turns a wire-form constraint
+(services.guided.spec) into the engine's compiled form or raises GrammarError naming the problem;
+`matcher` makes one sequence's state from it; `fill` writes the allowed-token bitmasks of many
+matchers into rows of one int32 [B, ceil(V/32)] tensor in one call (bit t of a row: token t is
+allowed). EOS is one of the engine's stop tokens: a mask allows it only where the grammar accepts.
+
+Whitespace is compact (no indentation, "," and ":" with no spaces): a free-whitespace grammar lets
+a weak model spend max_tokens on blanks between JSON tokens, and OpenAI's strict mode emits none.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+COMPACT = (",", ":")
+ANY_OBJECT = '{"type": "object"}'
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile; the message says why (it becomes the 400's message)."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class XGrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None):
+        import xgrammar as xgr
+        self._xgr = xgr
+        stops = list(eos_token_ids) if eos_token_ids else None
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        # One thread: the caller decides where compiling runs (a worker thread of its own), and
+        # xgrammar's internal cache is off because ours (cache.py) is the one that is bounded.
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self.vocab_size = vocab_size
+        self.json_tokens = _without_control_bytes(self.info.decoded_vocab, vocab_size, set(stops or ()))
+
+    def compile(self, c: dict) -> Any:
+        """-> (xgrammar's CompiledGrammar, whether it is JSON)."""
+        kind, spec = c["kind"], c["spec"]
+        try:
+            if kind in ("json", "json_object"):
+                return self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
+                                                         separators=COMPACT, strict_mode=True), True
+            if kind == "regex":
+                return self.compiler.compile_regex(spec), False
+            if kind == "choice":
+                return self.compiler.compile_grammar(_choice_ebnf(spec)), False
+            return self.compiler.compile_grammar(spec), False
+        except Exception as e:   # xgrammar raises RuntimeError / ValueError / its own types
+            raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
+
+    def matcher(self, compiled: Any):
+        grammar, is_json = compiled
+        return _XMatcher(self._xgr.GrammarMatcher(grammar), is_json)
+
+    def accept(self, m, token_id: int) -> bool:
+        return m.matcher.accept_token(token_id)
+
+    def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self.batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask, rows)
+        # xgrammar 0.2.9 lets a length-bounded JSON string hold raw control characters (its class
+        # is [^"\\\r\n]), which no JSON parser takes; compact JSON has no raw byte below 0x20 at all.
+        json_rows = [r for m, r in zip(matchers, rows) if m.is_json]
+        if json_rows:
+            idx = torch.tensor(json_rows, dtype=torch.long)
+            bitmask[idx] &= self.json_tokens
+
+    def is_finished(self, m) -> bool:
+        return m.matcher.is_terminated()
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None):
+        import llguidance
+        import llguidance.hf
+        self._llg = llguidance
+        eos = list(eos_token_ids) if eos_token_ids else None
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor(num_threads=1)
+        self.vocab_size = vocab_size
+
+    def compile(self, c: dict) -> Any:
+        LLMatcher = self._llg.LLMatcher
+        kind, spec = c["kind"], c["spec"]
+        try:
+            if kind in ("json", "json_object"):
+                grammar = LLMatcher.grammar_from_json_schema(spec or ANY_OBJECT,
+                                                             defaults={"whitespace_flexible": False})
+            elif kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(spec)
+            elif kind == "choice":
+                grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in json.loads(spec)))
+            else:
+                from llguidance._grammar_from import grammar_from
+                grammar = grammar_from("grammar", spec)
+        except Exception as e:
+            raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise GrammarError(f"the {kind} constraint does not compile: {_message(error)}")
+        return grammar   # llguidance builds its parser lazily: the checked grammar is the compiled form
+
+    def matcher(self, compiled: Any):
+        return self._llg.LLMatcher(self.tokenizer, compiled, log_level=0)
+
+    def accept(self, m, token_id: int) -> bool:
+        return m.consume_token(token_id) and not m.is_error()
+
+    def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self.executor.unsafe_compute_mask_ptr(list(zip(matchers, rows)), bitmask.data_ptr(),
+                                              bitmask.shape[1] * 4, bitmask.shape[0])
+
+    def is_finished(self, m) -> bool:
+        return m.is_stopped()
+
+
+class _XMatcher:
+    __slots__ = ("matcher", "is_json")
+
+    def __init__(self, matcher, is_json: bool):
+        self.matcher, self.is_json = matcher, is_json
+
+
+def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int, keep: set[int]) -> torch.Tensor:
+    """int32 bitmask row [ceil(V/32)]: every token but those whose bytes hold one below 0x20 (the
+    stop tokens stay; ids past the tokenizer's are left to the grammar's own mask)."""
+    allowed = torch.ones(bitmask_width(vocab_size) * 32, dtype=torch.bool)
+    for t, raw in enumerate(decoded_vocab[:vocab_size]):
+        if t not in keep and any(b < 0x20 for b in raw):
+            allowed[t] = False
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    packed = bits.sum(dim=1)                                   # [W] in [0, 2**32)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+BACKEND_TYPES = {b.name: b for b in (XGrammarBackend, GuidanceBackend)}
+
+
+def make_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None):
+    try:
+        cls = BACKEND_TYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown structured-outputs backend {name!r}; one of {', '.join(BACKEND_TYPES)}") from None
+    return cls(tokenizer, vocab_size, eos_token_ids)
+
+
+def _choice_ebnf(spec: str) -> str:
+    # JSON string literals are valid EBNF literals in xgrammar's dialect (same escapes).
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec))
+
+
+# xgrammar prefixes its messages with a time and its C++ source line: not the client's business.
+_SOURCE_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
+
+
+def _message(e) -> str:
+    """An engine's error as one line a client can read (some span lines: a regex error and its caret)."""
+    text = " ".join(line.strip() for line in _SOURCE_PREFIX.sub("", str(e)).splitlines() if line.strip())
+    text = text or type(e).__name__
+    return text if len(text) <= 500 else text[:497] + "..."

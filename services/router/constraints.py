@@ -1,0 +1,87 @@
+"""A request's structured-output constraint: read from the API's fields, checked by compiling it.
+
+Three ways to ask, as vLLM takes them (one per request):
+    response_format      OpenAI's {"type": "json_object"} and {"type": "json_schema", "json_schema":
+                         {"name", "schema", "strict"}} ({"type": "text"} asks for nothing)
+    structured_outputs   vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_*             vLLM's older guided_json, guided_regex, guided_choice, guided_grammar
+The result is services.guided.spec's wire form, which travels in SamplingParams. `check` compiles
+it on the router's compile thread (the event loop awaits): a constraint that cannot compile is a
+400 naming the problem before anything is queued; the worker then compiles the same constraint
+from its own cache.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from services.guided import spec as specs
+from services.guided.backends import GrammarError
+from services.router.errors import bad_request
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vLLM's structured_outputs keys this server does not serve: a 400, not a silently ignored constraint.
+UNSERVED_KEYS = ("structural_tag", "whitespace_pattern")
+
+
+def constraint_of(req, backend: str) -> tuple[dict | None, str | None]:
+    """The request's constraint in wire form and the field it came from (None, None: no
+    constraint); a 400 for an ill-formed or doubled one."""
+    asked = []   # (param, kind, value)
+    rf = req.response_format
+    if rf is not None:
+        asked += _response_format(rf)
+    so = req.structured_outputs
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        for k in UNSERVED_KEYS:
+            if so.get(k) is not None:
+                raise bad_request(f"structured_outputs.{k} is not supported", f"structured_outputs.{k}")
+        kinds = [k for k in specs.KINDS if so.get(k) not in (None, False)]
+        if len(kinds) != 1:
+            raise bad_request(f"structured_outputs takes exactly one of {', '.join(specs.KINDS)}",
+                              "structured_outputs")
+        asked.append((f"structured_outputs.{kinds[0]}", kinds[0], so[kinds[0]]))
+    for field, kind in GUIDED.items():
+        value = getattr(req, field)
+        if value is not None:
+            asked.append((field, kind, value))
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        raise bad_request(f"give one structured-output constraint, got {', '.join(a[0] for a in asked)}", asked[1][0])
+    param, kind, value = asked[0]
+    try:
+        return specs.make(kind, value, backend, param), param
+    except specs.SpecError as e:
+        raise bad_request(e.message, e.param) from None
+
+
+def _response_format(rf: dict) -> list:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", True)]
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise bad_request("response_format json_schema needs a json_schema object", "response_format.json_schema")
+        if not isinstance(js.get("name"), str) or not js["name"]:
+            raise bad_request("response_format.json_schema.name is required", "response_format.json_schema.name")
+        schema = js.get("schema")
+        if schema is None:
+            raise bad_request("response_format.json_schema.schema is required", "response_format.json_schema.schema")
+        return [("response_format.json_schema.schema", "json", schema)]
+    raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                      "response_format.type")
+
+
+async def check(cache, constraint: dict | None, param: str | None) -> None:
+    """Compile the constraint (cached) off the event loop; a GrammarError is a 400."""
+    if constraint is None:
+        return
+    try:
+        await asyncio.wrap_future(cache.submit(constraint))
+    except GrammarError as e:
+        raise bad_request(str(e), param) from None

@@ -1,0 +1,159 @@
+"""The worker's structured-output state: one grammar matcher per guided sequence, and each step's
+allowed-token bitmask. Owned by WorkerCore (rank 0, which samples); no I/O.
+
+- Constraints compile on the cache's thread (services/guided/cache.py) from the moment their params
+  arrive (`prepare`), so a new schema's compile overlaps the forward pass of the step that first
+  samples it; a constraint compiled before (by its hash) costs nothing.
+- `start_masks` fills the step's bitmask on a thread of its own while the forward pass runs (the
+  matchers already hold every token sampled so far) and returns a Future of (rows, bitmask): one
+  int32 [G, ceil(V/32)] tensor for the G guided rows only; unguided rows pay nothing.
+- A matcher is made when its sequence first samples (each of a request's n samples gets its own,
+  from the same compiled grammar), advances with each token sampled for it (`advance`), and lives
+  until its request's params are dropped: a sequence swapped out and back in keeps it, and so does
+  one recomputed (its seq id and params key stay). Should its count of consumed tokens ever differ
+  from the sequence's output length (a worker that lost it), it is rebuilt from the tokens when the
+  step carries them (the scheduler sends them with a recompute's prefill) and the row is held to EOS
+  otherwise, so that the output never breaks the grammar.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from services.guided.backends import GrammarError, bitmask_width, make_backend
+from services.guided.cache import DEFAULT_CAPACITY, CompileCache
+from services.steps import SampleRequest
+
+log = logging.getLogger("pagedserve.worker")
+
+
+@dataclass
+class _Guided:
+    backend: object
+    matcher: object | None     # None: its constraint did not compile (held to EOS)
+    consumed: int              # output tokens the matcher has accepted
+    key: str                   # the params key (the request) it belongs to
+
+
+class Guides:
+    def __init__(self, load_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 capacity: int = DEFAULT_CAPACITY):
+        """load_tokenizer() -> the model's Hugging Face tokenizer, called once, when the first
+        constraint arrives (a worker that never sees one never loads it)."""
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.width = bitmask_width(vocab_size)
+        tokenizer = []
+
+        def factory(name):
+            if not tokenizer:
+                tokenizer.append(load_tokenizer())
+            return make_backend(name, tokenizer[0], vocab_size, self.eos_token_ids)
+
+        self.cache = CompileCache(factory, capacity)
+        self.seqs: dict[int, _Guided] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self.mask_seconds = 0.0       # spent filling masks (on the mask thread, beside the forward)
+        self.mask_rows = 0
+
+    def prepare(self, constraint: dict) -> None:
+        """New params carry this constraint: start compiling it now."""
+        self.cache.submit(constraint)
+
+    def start_masks(self, reqs: list[SampleRequest]) -> Future | None:
+        """The bitmask of the guided rows among reqs (one row per req), computed on the mask thread."""
+        rows = [j for j, r in enumerate(reqs) if r.params.structured_outputs is not None]
+        if not rows:
+            return None
+        return self._pool.submit(self._masks, [reqs[j] for j in rows], rows)
+
+    def advance(self, reqs: list[SampleRequest], token_ids: list[int]) -> None:
+        """Each guided row's matcher takes the token sampled for it."""
+        for r, t in zip(reqs, token_ids):
+            g = self.seqs.get(r.seq_id) if r.params.structured_outputs is not None else None
+            if g is None:
+                continue
+            g.consumed += 1
+            if g.matcher is not None and not g.backend.accept(g.matcher, t):
+                # Only a token the mask allowed can be sampled; this would be an engine bug.
+                log.warning("seq %d: the grammar refused sampled token %d", r.seq_id, t)
+
+    def forget(self, keys) -> None:
+        """Drop the matchers of these requests (by params key): they finished or were aborted."""
+        keys = set(keys)
+        if keys:
+            for sid in [sid for sid, g in self.seqs.items() if g.key in keys]:
+                del self.seqs[sid]
+
+    def forget_seqs(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+    def stats(self) -> dict:
+        return {"guided_seqs": len(self.seqs), "grammar_mask_s": self.mask_seconds, "grammar_mask_rows": self.mask_rows,
+                "grammar_compiled": len(self.cache), "grammar_cache_hits": self.cache.hits,
+                "grammar_cache_misses": self.cache.misses}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()
+
+    # ---- on the mask thread ------------------------------------------------------------------
+    def _masks(self, reqs: list[SampleRequest], rows: list[int]) -> tuple[list[int], torch.Tensor]:
+        start = time.perf_counter()
+        bitmask = torch.zeros(len(reqs), self.width, dtype=torch.int32)   # [G, ceil(V/32)]
+        by_backend: dict[int, tuple] = {}
+        for i, r in enumerate(reqs):
+            g = self._matcher(r)
+            if g.matcher is None or g.backend.is_finished(g.matcher):
+                self._allow_eos(bitmask, i)
+                continue
+            entry = by_backend.setdefault(id(g.backend), (g.backend, [], []))
+            entry[1].append(g.matcher)
+            entry[2].append(i)
+        for backend, matchers, idx in by_backend.values():
+            backend.fill(matchers, bitmask, idx)
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_rows += len(reqs)
+        return rows, bitmask
+
+    def _matcher(self, r: SampleRequest) -> _Guided:
+        g = self.seqs.get(r.seq_id)
+        num_output = len(r.output_token_ids)
+        if g is not None and g.consumed == num_output:
+            return g
+        c = r.params.structured_outputs
+        backend = self.cache.backend(c["backend"])
+        try:
+            compiled = self.cache.submit(c).result()
+        except GrammarError as e:   # the router compiles first: only a direct client gets here
+            log.warning("seq %d: %s; its output is held to EOS", r.seq_id, e)
+            g = self.seqs[r.seq_id] = _Guided(backend, None, num_output, r.params_key)
+            return g
+        matcher = backend.matcher(compiled)
+        if num_output and not r.has_history:
+            log.warning("seq %d: its grammar state is lost and the step has no tokens to rebuild it from; "
+                        "its output is held to EOS", r.seq_id)
+            matcher = None
+        elif num_output:   # rebuilt from the tokens (a recompute, or a worker that lost the state)
+            for t in r.output_token_ids:
+                if not backend.accept(matcher, t):
+                    log.warning("seq %d: its tokens do not follow its grammar; held to EOS", r.seq_id)
+                    matcher = None
+                    break
+        g = self.seqs[r.seq_id] = _Guided(backend, matcher, num_output, r.params_key)
+        return g
+
+    def _allow_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        for t in self.eos_token_ids:
+            if t < self.vocab_size:
+                bitmask[row, t // 32] |= _bit(t % 32)
+
+
+def _bit(i: int) -> int:
+    # int32 bitmask: bit 31 is the sign bit.
+    return (1 << i) if i < 31 else -(1 << 31)
