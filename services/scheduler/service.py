@@ -20,6 +20,7 @@ import zmq
 
 from kvstore.client import KVStoreClient, KVStoreError
 from services import protocol
+from services.heartbeat import Heartbeat, HeartbeatWatch
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
 from services.sampling_params import SamplingParams, SamplingParamsError
@@ -48,6 +49,13 @@ class Config:
     step_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0
     log_level: str = "INFO"
+    # Supervision and shutdown (services/heartbeat.py): this process's own heartbeat, the worker's
+    # (watched while a step runs: a stuck worker fails its requests in hang_timeout_s, not
+    # step_timeout_s), and how long SIGTERM lets running requests finish (new ones get 503).
+    heartbeat_endpoint: str | None = None
+    worker_heartbeat_endpoint: str | None = None
+    hang_timeout_s: float = 4.0
+    shutdown_timeout_s: float = 0.0
 
     def validate(self) -> "Config":
         from services.engine_config import PREEMPTION_MODES
@@ -58,9 +66,15 @@ class Config:
             raise ValueError(f"--batching must be one of {', '.join(BATCHING)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
-        for name in ("endpoint", "kvstore_endpoint", "worker_endpoint"):
-            if not getattr(self, name).startswith(("tcp://", "ipc://")):
+        for name in ("endpoint", "kvstore_endpoint", "worker_endpoint", "heartbeat_endpoint",
+                     "worker_heartbeat_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"--{name.replace('_', '-')} must be a tcp:// or ipc:// endpoint")
+        if self.hang_timeout_s <= 0:
+            raise ValueError(f"--hang-timeout must be positive, got {self.hang_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout_s}")
         return self
 
 
@@ -80,6 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=Config.startup_timeout_s,
                    help="seconds to wait for the kvstore and the worker at start-up")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--heartbeat-endpoint", default=None, help="answer heartbeat Pings here (the launcher watches it)")
+    p.add_argument("--worker-heartbeat-endpoint", default=None,
+                   help="the worker's heartbeat, watched while a step runs")
+    p.add_argument("--hang-timeout", type=float, default=Config.hang_timeout_s,
+                   help="seconds without a good heartbeat after which the worker counts as stuck")
+    p.add_argument("--shutdown-timeout", type=float, default=Config.shutdown_timeout_s,
+                   help="on SIGTERM, seconds running requests may take to finish (new ones get 503)")
 
 
 def config_from_args(args) -> Config:
@@ -89,7 +110,9 @@ def config_from_args(args) -> Config:
                   batching=args.batching,
                   max_model_len=args.max_model_len, redis_url=args.redis_url, replica_id=args.replica_id,
                   advertise=args.advertise, startup_timeout_s=args.startup_timeout,
-                  log_level=args.log_level).validate()
+                  log_level=args.log_level, heartbeat_endpoint=args.heartbeat_endpoint,
+                  worker_heartbeat_endpoint=args.worker_heartbeat_endpoint, hang_timeout_s=args.hang_timeout,
+                  shutdown_timeout_s=args.shutdown_timeout).validate()
 
 
 class StepTiming:
@@ -122,8 +145,14 @@ class SchedulerService:
         self.config = config
         _, spec = inspect_model_dir(config.model)
         self.ctx = zmq.Context()
-        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
-        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx)
+        self.beat = (Heartbeat(config.heartbeat_endpoint, "scheduler", config.hang_timeout_s, self.ctx)
+                     if config.heartbeat_endpoint else None)
+        self.worker_watch = (HeartbeatWatch(config.worker_heartbeat_endpoint, config.hang_timeout_s, self.ctx)
+                             if config.worker_heartbeat_endpoint else None)
+        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx, on_wait=self.tick)
+        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx,
+                                on_wait=self._waiting_for_worker)
+        self.draining = False
         info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
         # The kvstore may have served an earlier scheduler of this replica (a restart): start both
         # block stores, the mirror and the replica, from empty.
@@ -159,6 +188,28 @@ class SchedulerService:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted router may reuse its identity
         self.sock.bind(config.endpoint)
         self.state = self._register()
+
+    def tick(self) -> None:
+        """The main thread is alive (it steps, or waits on a peer that may still answer)."""
+        if self.beat is not None:
+            self.beat.tick()
+
+    def _waiting_for_worker(self) -> None:
+        self.tick()
+        if self.worker_watch is not None:
+            self.worker_watch.poke()
+            if self.worker_watch.stuck():
+                raise PeerTimeout(f"the worker at {self.worker.endpoint} is stuck: no heartbeat progress "
+                                  f"for {self.worker_watch.silent_for():.1f} s")
+
+    def _kvstore_same(self) -> None:
+        """Ping the kvstore by asking for its pools: different pool names mean it restarted (its
+        store is empty, its pools new): the mirror is wrong and every request must fail."""
+        info = self.kv.pool_info(timeout_s=self.config.peer_timeout_s)
+        if info.device_pool_names != self.pool_info.device_pool_names:
+            log.warning("the kvstore restarted (new pools %s)", info.device_pool_names)
+            self.pool_info = info
+            self.broken = "the kvstore restarted"
 
     def _wait_for(self, call, name: str, endpoint: str):
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -203,14 +254,15 @@ class SchedulerService:
             except PeerTimeout as e:   # the heartbeat marks the replica not ready; this caller gets a 503
                 self._send(identity, protocol.Error(f"the kvstore did not answer: {e}", 503, "server_error"))
         elif isinstance(msg, protocol.Ping):
-            self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler", self.ready))
+            self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler",
+                                               self.ready and not self.draining))
         else:
             self._send(identity, protocol.Error(f"the scheduler does not take {type(msg).__name__}"))
 
     def _add(self, identity: bytes, msg: protocol.AddRequest) -> None:
-        if not self.ready:
-            self._send(identity, protocol.Error("the engine is not ready", 503, "server_error",
-                                                request_id=msg.request_id))
+        if not self.ready or self.draining:
+            why = "the engine is shutting down" if self.draining else "the engine is not ready"
+            self._send(identity, protocol.Error(why, 503, "server_error", request_id=msg.request_id))
             return
         try:
             params = SamplingParams.from_dict(msg.params)
@@ -329,14 +381,19 @@ class SchedulerService:
         self.timing.maybe_log(idle=not self.core.has_unfinished())
         self._sync_kvstore()     # aborts and frees made while idle
         ok = True
-        pings = ((lambda: self.kv.ping("scheduler", self.config.peer_timeout_s), "kvstore", self.kv.endpoint),
+        pings = ((self._kvstore_same, "kvstore", self.kv.endpoint),
                  (lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s),
                   "worker", self.worker.endpoint))
         for ping, name, endpoint in pings:
             try:
                 ping()
-            except PeerTimeout:
-                log.error("the %s at %s stopped answering", name, endpoint)
+            except (PeerTimeout, KVStoreError) as e:   # KVStoreError: a kvstore still sizing its pools
+                log.error("the %s at %s stopped answering: %s", name, endpoint, e)
+                ok = False
+        if self.worker_watch is not None:
+            self.worker_watch.poke()
+            if self.worker_watch.stuck():
+                log.error("the worker at %s is stuck (no heartbeat progress)", self.worker.endpoint)
                 ok = False
         if self.ready and not ok:
             self.fail_all("an engine process stopped answering")
@@ -430,7 +487,16 @@ def run(config: Config) -> int:
     gc.freeze()
     log.info("scheduler ready on %s (kvstore %s, worker %s)", config.endpoint,
              config.kvstore_endpoint, config.worker_endpoint)
-    while not stop.is_set():
+    drain_until = None
+    while True:
+        if stop.is_set() and drain_until is None:
+            # Drain: new requests get 503 (and /ready says not ready) while those running finish.
+            svc.draining = True
+            drain_until = time.monotonic() + config.shutdown_timeout_s
+            log.info("draining: %d request(s) may run for up to %.0f s", len(svc.owner), config.shutdown_timeout_s)
+        if drain_until is not None and (not svc.core.has_unfinished() or time.monotonic() >= drain_until):
+            break
+        svc.tick()
         busy = svc.core.has_unfinished() and svc.ready
         if svc.sock.poll(0 if busy else 50, zmq.POLLIN):
             while svc.sock.poll(0, zmq.POLLIN):
@@ -445,7 +511,10 @@ def run(config: Config) -> int:
             svc.ready = False
             svc.fail_all(str(e))
     # Requests still running end with an error their clients see (a 503), not a cut connection.
+    svc.publish()
     svc.fail_all("the engine is shutting down")
+    if svc.beat is not None:
+        svc.beat.close()
     # Those last words must leave before the process does. destroy(linger) alone lost one of two
     # final messages in about one stop of three (seen on ipc://); a short pause first delivered
     # every one in repeated stops.

@@ -42,6 +42,7 @@ from kvstore.cuda_sync import NoSync, StepSync
 from kvstore.sizing import WAITING
 from kvstore.pool import BlockPool
 from services import protocol
+from services.heartbeat import Heartbeat
 from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
@@ -83,6 +84,10 @@ class Config:
     torch_threads: int = 0                       # 0: torch's default
     seed: int = 0
     log_level: str = "INFO"
+    # Supervision (services/heartbeat.py): rank 0 answers Pings here with whether its main thread
+    # moved (a step's layers tick) within hang_timeout_s. None: no heartbeat.
+    heartbeat_endpoint: str | None = None
+    hang_timeout_s: float = 4.0
 
     def validate(self) -> "Config":
         if not self.model:
@@ -114,6 +119,8 @@ class Config:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        if self.hang_timeout_s <= 0:
+            raise ValueError(f"--hang-timeout must be positive, got {self.hang_timeout_s}")
         return self
 
     @property
@@ -141,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=Config.torch_threads)
     p.add_argument("--seed", type=int, default=Config.seed, help="for unseeded sampling")
     p.add_argument("--log-level", default=Config.log_level)
+    p.add_argument("--heartbeat-endpoint", default=None,
+                   help="rank 0 answers heartbeat Pings here (the launcher and the scheduler watch it)")
+    p.add_argument("--hang-timeout", type=float, default=Config.hang_timeout_s,
+                   help="seconds without progress after which the heartbeat reports this worker stuck")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -149,7 +160,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   kvstore_endpoint=args.kvstore_endpoint, kvstore_timeout_s=args.kvstore_timeout,
                   device=args.device, dtype=args.dtype, block_size=args.block_size,
                   profile_tokens=args.profile_tokens, profile_seqs=args.profile_seqs,
-                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level)
+                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level,
+                  heartbeat_endpoint=args.heartbeat_endpoint, hang_timeout_s=args.hang_timeout)
 
 
 # ---- the service core: messages in, messages out (no sockets) ----------------------------------
@@ -224,6 +236,14 @@ class WorkerService:
         except RuntimeError as e:
             raise PeerLost(f"a tensor-parallel rank went away: {_first_line(e)}") from None
         self.last_broadcast = time.monotonic()
+
+    def tick_per_layer(self, tick) -> None:
+        """Call tick() before every decoder layer runs: a long step still shows progress to the
+        heartbeat, a deadlocked one stops ticking."""
+        for name, module in self.runner.model.named_modules():
+            if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
+                for layer in module:
+                    layer.register_forward_pre_hook(lambda *_: tick())
 
     def barrier(self) -> None:
         """On a clean stop: every rank has read the last message before any tears its group down."""
@@ -383,18 +403,26 @@ def run(config: Config) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    service = None
+    service = beat = None
     try:
         if config.rank == 0:
             _bind(sock, config.endpoint)   # first: a busy port fails before the slow model load
         service = start_worker(config)
         log.info("rank %d/%d ready: %s on %s, pool %s", config.rank, config.tp_size, config.model,
                  config.torch_device, service.pool.name)
-        return _serve(sock, service, stop) if config.rank == 0 else _follow(service, stop)
+        if config.rank == 0 and config.heartbeat_endpoint:
+            beat = Heartbeat(config.heartbeat_endpoint, "worker", config.hang_timeout_s, ctx)
+            service.tick_per_layer(beat.tick)
+        return _serve(sock, service, stop, beat) if config.rank == 0 else _follow(service, stop)
     except (StartupError, PeerLost) as e:
         log.error("%s", e)
         return 1
+    except zmq.ZMQError as e:   # the heartbeat endpoint is taken
+        log.error("cannot bind %s: %s", config.heartbeat_endpoint, e)
+        return 1
     finally:
+        if beat is not None:
+            beat.close()
         if service is not None:
             service.close()
             close_tensor_parallel(service.tp)
@@ -403,9 +431,11 @@ def run(config: Config) -> int:
         restore()
 
 
-def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event) -> int:
+def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event, beat=None) -> int:
     """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle."""
     def keep_ranks_alive() -> None:
+        if beat is not None:
+            beat.tick()
         if time.monotonic() - service.last_broadcast >= HEARTBEAT_S:
             service.broadcast("beat")
 
