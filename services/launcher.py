@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.flags import opt
 from services.router.service import add_cors_arguments, cors_argv
 from services.supervisor import Child, Supervisor
 
@@ -53,8 +54,11 @@ class Config:
     log_level: str = "INFO"
     extra_router_args: list[str] = field(default_factory=list)
     # Supervision and shutdown (services/supervisor.py).
-    shutdown_timeout_s: float = 10.0       # SIGTERM: how long running requests may take to finish
-    hang_timeout_s: float = 4.0            # a process whose heartbeat is silent this long is restarted
+    shutdown_timeout_s: float = opt(10.0, "on SIGTERM, seconds running requests may take to finish (new ones "
+                                    "get 503); 0: fail them now", check=lambda v: v >= 0 or "must be 0 or more",
+                                    flag="--shutdown-timeout")
+    hang_timeout_s: float = opt(4.0, "seconds of heartbeat silence after which a process counts as stuck "
+                                "and is restarted", check=lambda v: v > 0 or "must be positive", flag="--hang-timeout")
 
     def validate(self) -> "Config":
         from services.engine_config import EngineConfig

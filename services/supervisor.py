@@ -190,11 +190,7 @@ class Supervisor:
         """A kvstore that died without unlinking its pools (SIGKILL): unlink them (mapped views in
         other processes stay valid until they unmap)."""
         if c.role == "kvstore" and c.proc is not None:
-            for path in glob.glob(f"/dev/shm/pagedserve-{c.proc.pid}-*"):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            unlink_pools_of(c.proc.pid)
 
     # ---- stopping ------------------------------------------------------------------------------
     def stop(self, drain_s: float, grace_s: float = 10.0) -> None:
@@ -225,8 +221,16 @@ class Supervisor:
                 c.watch.close()
         reap_descendants(grace_s=2.0)
         for pid in self.kvstore_pids:
-            for path in glob.glob(f"/dev/shm/pagedserve-{pid}-*"):
-                os.unlink(path)
+            unlink_pools_of(pid)
+
+
+def unlink_pools_of(pid: int) -> None:
+    """The shared-memory pools a kvstore process made (named by kvstore.pool.unique_pool_name)."""
+    for path in glob.glob(f"/dev/shm/pagedserve-{pid}-*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:   # it unlinked them itself meanwhile
+            pass
 
 
 def reap_descendants(grace_s: float) -> None:

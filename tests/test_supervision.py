@@ -2,7 +2,7 @@
 stops it cleanly (a drain, then no process, no shared memory, no run folder left).
 
 One stack (two routers behind a real Redis) takes the faults one after another; each test leaves
-it serving again, which is what it checks first.
+it serving again, which is what it checks first; the last one stops it (--shutdown-timeout 0).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def stack(tiny_llama):
     if not redis_available():
         pytest.fail("no Redis at 127.0.0.1:6379 (.ci/run starts one)")
     s = Stack(tiny_llama, "--redis-url", REDIS_URL, "--num-device-blocks", "256",
-              "--hang-timeout", str(HANG_S), routers=2)
+              "--hang-timeout", str(HANG_S), "--shutdown-timeout", "0", routers=2)
     s.model = tiny_llama
     s.expected = complete(s)
     yield s
@@ -211,14 +211,14 @@ def test_sigterm_drains_then_leaves_nothing_behind(tiny_llama):
     assert not leftovers(s, descendants, kv, run_dir)
 
 
-def test_sigterm_with_timeout_zero_ends_running_requests_within_a_second(tiny_llama):
-    s = Stack(tiny_llama, "--num-device-blocks", "128", "--shutdown-timeout", "0")
-    s.model = tiny_llama
-    stream = LongStream(s)
+def test_sigterm_with_timeout_zero_ends_running_requests_within_a_second(stack):
+    """The module's stack, last: it runs with --shutdown-timeout 0 (and survived every fault above)."""
+    wait_ready(stack.url)
+    stream = LongStream(stack)
     stream.wait_flowing()
-    descendants, kv, run_dir = children_of(s.proc.pid), [one_pid(s, "kvstore.service")], run_dir_of(s)
-    s.proc.send_signal(signal.SIGTERM)
+    descendants, kv, run_dir = children_of(stack.proc.pid), [one_pid(stack, "kvstore.service")], run_dir_of(stack)
+    stack.proc.send_signal(signal.SIGTERM)
     hit = time.monotonic()
     assert_failed_cleanly(stream, hit, 1.0)
-    assert s.proc.wait(30) == 0
-    assert not leftovers(s, descendants, kv, run_dir)
+    assert stack.proc.wait(30) == 0
+    assert not leftovers(stack, descendants, kv, run_dir)

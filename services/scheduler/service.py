@@ -20,6 +20,7 @@ import zmq
 
 from kvstore.client import KVStoreClient, KVStoreError
 from services import protocol
+from services.flags import opt
 from services.heartbeat import Heartbeat, HeartbeatWatch
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
@@ -52,10 +53,13 @@ class Config:
     # Supervision and shutdown (services/heartbeat.py): this process's own heartbeat, the worker's
     # (watched while a step runs: a stuck worker fails its requests in hang_timeout_s, not
     # step_timeout_s), and how long SIGTERM lets running requests finish (new ones get 503).
-    heartbeat_endpoint: str | None = None
-    worker_heartbeat_endpoint: str | None = None
-    hang_timeout_s: float = 4.0
-    shutdown_timeout_s: float = 0.0
+    heartbeat_endpoint: str | None = opt(None, "answer heartbeat Pings here (the launcher watches it)")
+    worker_heartbeat_endpoint: str | None = opt(None, "the worker's heartbeat, watched while a step runs")
+    hang_timeout_s: float = opt(4.0, "seconds without a good heartbeat after which the worker counts as stuck",
+                                check=lambda v: v > 0 or "must be positive", flag="--hang-timeout")
+    shutdown_timeout_s: float = opt(0.0, "on SIGTERM, seconds running requests may take to finish (new ones "
+                                    "get 503)", check=lambda v: v >= 0 or "must be 0 or more",
+                                    flag="--shutdown-timeout")
 
     def validate(self) -> "Config":
         from services.engine_config import PREEMPTION_MODES

@@ -42,6 +42,7 @@ from kvstore.cuda_sync import NoSync, StepSync
 from kvstore.sizing import WAITING
 from kvstore.pool import BlockPool
 from services import protocol
+from services.flags import opt
 from services.heartbeat import Heartbeat
 from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
@@ -86,8 +87,10 @@ class Config:
     log_level: str = "INFO"
     # Supervision (services/heartbeat.py): rank 0 answers Pings here with whether its main thread
     # moved (a step's layers tick) within hang_timeout_s. None: no heartbeat.
-    heartbeat_endpoint: str | None = None
-    hang_timeout_s: float = 4.0
+    heartbeat_endpoint: str | None = opt(None, "rank 0 answers heartbeat Pings here (the launcher and the "
+                                         "scheduler watch it)")
+    hang_timeout_s: float = opt(4.0, "seconds without progress after which the heartbeat reports this "
+                                "worker stuck", check=lambda v: v > 0 or "must be positive", flag="--hang-timeout")
 
     def validate(self) -> "Config":
         if not self.model:
