@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: serve demo test bench-kernels gpu-wheels gpu-check clean
+.PHONY: serve demo test bench-kernels gpu-wheels gpu-check clean soak
 
 # The GPU machine runs the check with its own Python (torch, triton; no network, no .venv there).
 GPU_PY ?= python3
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# A few minutes of mixed traffic while processes are killed and paused at random (needs Redis at
+# 127.0.0.1:6379; tests/test_soak.py is the short form in `make test`).
+soak: $(STAMP)
+	$(BIN)/python -m loadgen.soak --duration 180
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m kernels.benchmark

@@ -32,9 +32,10 @@ class KVStoreError(RuntimeError):
 
 
 class KVStoreClient:
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None):
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
+                 on_wait=None):
         self.endpoint = endpoint
-        self._rpc = RpcClient(endpoint, timeout_s, ctx)
+        self._rpc = RpcClient(endpoint, timeout_s, ctx, on_wait)
 
     def apply(self, step: int, ops: list[list]) -> protocol.ApplyOpsReply:
         """Send one step's op log; the reply's results are to be compared with the mirror's."""

@@ -170,6 +170,19 @@ def grammar_cache_size(default: int = 256):
     return opt(default, "compiled structured-output constraints kept per process (LRU)", check=at_least(1))
 
 
+def hang_timeout(help: str):
+    return opt(4.0, help, flag="--hang-timeout", check=positive)
+
+
+def shutdown_timeout(default: float):
+    return opt(default, "on SIGTERM, seconds running requests may take to finish (new ones get 503); "
+                        "0: fail them now", flag="--shutdown-timeout", check=lambda v: v >= 0 or "must be >= 0")
+
+
+def optional_endpoint(help: str):
+    return opt(None, help, check=endpoint_check)
+
+
 def seed(default: int = 0):
     return opt(default, "seed of unseeded sampling")
 

@@ -1,17 +1,19 @@
-"""`pagedserve up`: start every process of one engine replica plus its routers, and stop them all.
+"""`pagedserve up`: start every process of one engine replica plus its routers, keep them running,
+and stop them all.
 
-Owns only the child processes. Internal sockets are ipc:// endpoints in a private temp folder, so
-two stacks on one machine never collide; routers listen on --port, --port+1, ... Children get
-PR_SET_PDEATHSIG so that even a SIGKILLed launcher leaves no orphan behind.
+Owns only the child processes (through services/supervisor.py, which restarts what dies or hangs
+and reaps everything on the way out). Internal sockets are ipc:// endpoints in a private temp
+folder, so two stacks on one machine never collide; routers listen on --port, --port+1, ...
+Children get PR_SET_PDEATHSIG so that even a SIGKILLed launcher leaves no orphan behind. SIGTERM
+drains: new requests get 503, running ones have --shutdown-timeout seconds to finish.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
+import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +25,7 @@ from services import config_fields as cf
 from services.config_fields import allocation_check, at_least, positive
 from services.flags import ConfigError, add_flags, check_config, from_args, opt
 from services.router.options import RouterOptions, passed_down
+from services.supervisor import Child, Supervisor
 
 TINY_DIR = Path(".cache/tiny-llama")
 
@@ -55,8 +58,10 @@ class Config(RouterOptions):
                                       aliases=["--prefix-caching"])
     allocation: str = cf.allocation()
     batching: str = cf.batching()
-    shutdown_timeout_s: float = opt(10.0, "seconds in-flight requests may take to finish after SIGTERM",
-                                    flag="--shutdown-timeout", check=lambda v: v >= 0 or "must be >= 0")
+    # Supervision and shutdown (services/supervisor.py).
+    shutdown_timeout_s: float = cf.shutdown_timeout(10.0)
+    hang_timeout_s: float = cf.hang_timeout("seconds of heartbeat silence after which a process counts as stuck "
+                                            "and is restarted")
     ready_timeout_s: float = opt(300.0, "seconds to wait for every process to be ready", flag="--ready-timeout",
                                  check=positive)
     log_level: str = cf.log_level()
@@ -109,14 +114,6 @@ def resolve_model(model: str) -> str:
     return str(TINY_DIR)
 
 
-def _die_with_parent() -> None:
-    # Linux: the child gets SIGTERM when the launcher dies, however it dies.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
     from services.worker.model_loader import inspect_model_dir, serving_dtype
@@ -133,6 +130,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
         device_pool = ["--num-device-blocks", str(device_blocks)]
     host_blocks = int(cfg.swap_space_gib * gib) // block_bytes
     kv, sched, worker = (f"ipc://{run_dir}/{n}.sock" for n in ("kvstore", "scheduler", "worker"))
+    worker_beat, sched_beat = heartbeat_endpoints(run_dir)
+    hang = ["--hang-timeout", str(cfg.hang_timeout_s)]
     py = [sys.executable, "-m"]
     procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, *device_pool,
                                "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
@@ -151,14 +150,17 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--profile-tokens", str(cfg.max_num_batched_tokens),
                                              "--profile-seqs", str(cfg.max_num_seqs),
                                              "--torch-threads", str(threads),
-                                             "--grammar-cache-size", str(cfg.grammar_cache_size)]))
+                                             "--grammar-cache-size", str(cfg.grammar_cache_size)]
+                      + (["--heartbeat-endpoint", worker_beat] + hang if rank == 0 else [])))
     procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
                                      "--max-num-seqs", str(cfg.max_num_seqs),
                                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                                      "--preemption-mode", cfg.preemption_mode, "--batching", cfg.batching,
                                      "--log-level", cfg.log_level,
-                                     "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}"]
+                                     "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}",
+                                     "--heartbeat-endpoint", sched_beat, "--worker-heartbeat-endpoint", worker_beat,
+                                     "--shutdown-timeout", str(cfg.shutdown_timeout_s), *hang]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
     context = ["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []
     procs[-1][1].extend(context)
@@ -169,6 +171,21 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                           "--router-id", f"router-{i}", "--log-level", cfg.log_level]
                       + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + context + router_flags))
     return procs
+
+
+def heartbeat_endpoints(run_dir: str) -> tuple[str, str]:
+    """(worker rank 0's, the scheduler's) heartbeat endpoints."""
+    return f"ipc://{run_dir}/worker-beat.sock", f"ipc://{run_dir}/scheduler-beat.sock"
+
+
+def supervised(cfg: Config, name: str, argv: list[str], run_dir: str, threads: int) -> Child:
+    """A process of the stack with the probe the supervisor watches it by."""
+    worker_beat, sched_beat = heartbeat_endpoints(run_dir)
+    probe = {"kvstore": {"heartbeat": f"ipc://{run_dir}/kvstore.sock"},   # answers Ping in its loop
+             "worker0": {"heartbeat": worker_beat}, "scheduler": {"heartbeat": sched_beat}}.get(name, {})
+    if name.startswith("router"):
+        probe = {"health_url": f"http://{cfg.host}:{cfg.port + int(name[6:])}/health"}
+    return Child(name, argv, threads if name.startswith("worker") else 1, **probe)
 
 
 def worker_threads_auto(device: str, tp: int) -> int:
@@ -185,53 +202,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Stack:
-    """The running children; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
-
-    def __init__(self):
-        self.children: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, argv: list[str], threads: int = 1) -> None:
-        # Only workers compute; every other process gets one OpenMP thread, so that none of them
-        # keeps spare threads spinning on cores the workers need (measured: ~1.4x tokens/s on 2 cores).
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        if threads > 1:
-            # An idle OpenMP thread spins ~300k rounds (GNU's default) before it sleeps: after each
-            # step that holds a core for a millisecond or more, just when the scheduler, kvstore and
-            # router need it. 3000 rounds still bridge the gaps between the ops of one forward.
-            # On 2 cores: the worker's CPU time per run fell from ~3.2 to ~2.3 core-seconds at the
-            # same or better tokens/s (loadgen.bench_e2e). An operator's own setting wins.
-            env.setdefault("GOMP_SPINCOUNT", "3000")
-        self.children.append((name, subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env)))
-
-    def failed(self) -> tuple[str, int] | None:
-        for name, p in self.children:
-            if p.poll() is not None:
-                return name, p.returncode
-        return None
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        # The scheduler first: it ends what runs with an error the routers pass on (a 503), which
-        # it cannot do once its worker is gone mid-step. Then the rest, routers first.
-        for name, p in self.children:
-            if name == "scheduler" and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(3.0)
-                except subprocess.TimeoutExpired:
-                    pass
-        for _, p in reversed(self.children):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, p in self.children:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def _ready(url: str) -> bool:
@@ -256,6 +226,7 @@ def _port_taken(host: str, port: int) -> str | None:
 
 
 def run(cfg: Config) -> int:
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s launcher %(levelname)s %(message)s")
     for port in range(cfg.port, cfg.port + cfg.routers):
         why = _port_taken(cfg.host, port)
         if why:
@@ -264,18 +235,18 @@ def run(cfg: Config) -> int:
     model = resolve_model(cfg.model)
     os.environ.update(passed_down(cfg)[1])   # the API keys: children inherit them, `ps` does not show them
     run_dir = tempfile.mkdtemp(prefix="pagedserve-")
-    stack = Stack()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    sup = Supervisor(cfg.hang_timeout_s, cfg.ready_timeout_s)
     try:
         threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
         for name, argv in process_commands(cfg, model, run_dir):
-            stack.start(name, argv, threads if name.startswith("worker") else 1)
+            sup.add(supervised(cfg, name, argv, run_dir, threads))
         urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(cfg.routers)]
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not all(_ready(u + "/ready") for u in urls):
-            failed = stack.failed()
+            failed = sup.failed()   # at start-up a failure is a setting or a model: restarting won't help
             if failed:
                 print(f"pagedserve up: the {failed[0]} process exited with code {failed[1]}; stopping the others",
                       file=sys.stderr)
@@ -290,13 +261,14 @@ def run(cfg: Config) -> int:
         print(f"try:\n  curl {urls[0]}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{cfg.served_model_name or model}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
         while not stopping:
-            failed = stack.failed()
-            if failed:
-                print(f"pagedserve up: the {failed[0]} process exited with code {failed[1]}; stopping the others",
-                      file=sys.stderr)
+            gave_up = sup.check()
+            if gave_up:
+                print(f"pagedserve up: {gave_up}; stopping the others", file=sys.stderr)
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.25)
+        print("pagedserve up: stopping (draining for up to "
+              f"{cfg.shutdown_timeout_s:g} s)", file=sys.stderr, flush=True)
         return 0
     finally:
-        stack.stop()
+        sup.stop(cfg.shutdown_timeout_s)
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -4,6 +4,10 @@ A peer that does not answer in time raises PeerTimeout; so does a peer whose con
 we wait (seen through a ZeroMQ socket monitor), at once rather than at the deadline: a worker that
 dies mid-step fails the step in milliseconds, not after the step timeout. Either way the socket is
 rebuilt, so that a late reply can never be mistaken for the answer to the next question.
+
+`on_wait`, if given, runs at least every WAIT_SLICE_S while an answer is awaited: a caller that
+waits is alive (it ticks its own heartbeat), and may give up early (it raises PeerTimeout, e.g.
+when the peer's heartbeat says it is stuck).
 """
 from __future__ import annotations
 
@@ -15,13 +19,18 @@ from zmq.utils.monitor import recv_monitor_message
 from services import protocol
 
 
+WAIT_SLICE_S = 0.25
+
+
 class PeerTimeout(RuntimeError):
     """The peer did not answer in time, or its connection dropped: it is down, stuck, or unreachable."""
 
 
 class RpcClient:
-    def __init__(self, endpoint: str, timeout_s: float = 10.0, ctx: zmq.Context | None = None):
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, ctx: zmq.Context | None = None,
+                 on_wait=None):
         self.endpoint = endpoint
+        self.on_wait = on_wait
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = ctx or zmq.Context.instance()
         self.sock, self.monitor = self._connect()
@@ -54,6 +63,13 @@ class RpcClient:
         poller.register(self.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_ms / 1000
         while (left := int((deadline - time.monotonic()) * 1000)) > 0:
+            if self.on_wait is not None:
+                try:
+                    self.on_wait()
+                except PeerTimeout:
+                    self._reconnect()
+                    raise
+                left = min(left, int(WAIT_SLICE_S * 1000))
             ready = dict(poller.poll(left))
             if self.sock in ready:
                 return protocol.decode(self.sock.recv_multipart(copy=False))

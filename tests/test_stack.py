@@ -332,9 +332,9 @@ def test_tensor_parallel_stack_matches_engine(tiny_llama):
 def test_stopping_the_stack_answers_requests_in_flight_with_503(tiny_llama):
     """Ctrl-C / SIGTERM with requests running: each client gets a 503 in the OpenAI shape (an SSE
     error event and [DONE] for a stream) at once, not a cut connection or a plain 500 after the
-    drain times out."""
+    drain times out (--shutdown-timeout 0: no drain; tests/test_supervision.py has the drain)."""
     import httpx
-    s = Stack(tiny_llama, "--num-device-blocks", "128")
+    s = Stack(tiny_llama, "--num-device-blocks", "128", "--shutdown-timeout", "0")
     out = {}
     body = {"model": tiny_llama, "prompt": "hi", "max_tokens": 900, "ignore_eos": True}
 

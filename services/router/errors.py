@@ -33,7 +33,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
-        self.headers = headers
+        # A 503 is temporary (a replica restarting, a stack draining): say when to try again.
+        self.headers = headers if headers or status != 503 else {"Retry-After": "1"}
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.type)

@@ -4,7 +4,9 @@ Owns the socket, a receive loop that hands each RequestUpdate / Error to the asy
 subscribed under its request id (or, for a buffered subscriber, merges the updates and hands over
 one Buffered at the end), and a heartbeat: a Ping every `ping_interval_s`. A scheduler not
 heard from (any message counts) for `dead_after_s` is declared dead: every subscribed request gets
-a Failure(503) in its queue and new requests are refused with 503, so nothing hangs.
+a Failure(503) in its queue and new requests are refused with 503, so nothing hangs. A dropped
+connection (a socket monitor sees it) fails the subscribed requests at once: the scheduler that
+held them is gone, and a restarted one, which answers Pings again, knows nothing of them.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from services import protocol
 
@@ -122,10 +125,12 @@ class SchedulerClient:
         # instead of piling requests up for a scheduler that may come back much later.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RCVHWM, 0)    # every token and end the scheduler sends is kept (no drops)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self.sock = sock
         self._tasks = [asyncio.create_task(self._receive_loop(), name=f"recv {self.endpoint}"),
-                       asyncio.create_task(self._heartbeat_loop(), name=f"ping {self.endpoint}")]
+                       asyncio.create_task(self._heartbeat_loop(), name=f"ping {self.endpoint}"),
+                       asyncio.create_task(self._watch_connection(monitor), name=f"watch {self.endpoint}")]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -266,6 +271,17 @@ class SchedulerClient:
                     break
         elif isinstance(msg, protocol.Error):
             log.warning("the scheduler at %s reports: %s", self.endpoint, msg.message)
+
+    async def _watch_connection(self, monitor) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.subscribers:
+                    log.error("the connection to the scheduler at %s dropped: failing %d request(s)",
+                              self.endpoint, len(self.subscribers))
+                    self.fail_all(503, f"the engine at {self.endpoint} went away")
+        finally:
+            monitor.close(linger=0)
 
     async def _heartbeat_loop(self) -> None:
         while True:

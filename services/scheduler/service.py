@@ -22,6 +22,7 @@ from kvstore.client import KVStoreClient, KVStoreError
 from services import config_fields as cf, protocol
 from services.config_fields import positive
 from services.flags import add_flags, check_config, from_args, opt
+from services.heartbeat import Heartbeat, HeartbeatWatch
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
 from services.sampling_params import SamplingParams, SamplingParamsError
@@ -53,6 +54,13 @@ class Config:
     startup_timeout_s: float = opt(120.0, "seconds to wait for the kvstore and the worker at start-up",
                                    flag="--startup-timeout", check=positive)
     log_level: str = cf.log_level()
+    # Supervision and shutdown (services/heartbeat.py): this process's own heartbeat, the worker's
+    # (watched while a step runs: a stuck worker fails its requests in hang_timeout_s, not
+    # step_timeout_s), and how long SIGTERM lets running requests finish (new ones get 503).
+    heartbeat_endpoint: str | None = cf.optional_endpoint("answer heartbeat Pings here (the launcher watches it)")
+    worker_heartbeat_endpoint: str | None = cf.optional_endpoint("the worker's heartbeat, watched while a step runs")
+    hang_timeout_s: float = cf.hang_timeout("seconds without a good heartbeat after which the worker counts as stuck")
+    shutdown_timeout_s: float = cf.shutdown_timeout(0.0)
 
     def cross_check(self) -> str | None:
         return cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
@@ -100,8 +108,14 @@ class SchedulerService:
         self.config = config
         _, spec = inspect_model_dir(config.model)
         self.ctx = zmq.Context()
-        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
-        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx)
+        self.beat = (Heartbeat(config.heartbeat_endpoint, "scheduler", config.hang_timeout_s, self.ctx)
+                     if config.heartbeat_endpoint else None)
+        self.worker_watch = (HeartbeatWatch(config.worker_heartbeat_endpoint, config.hang_timeout_s, self.ctx)
+                             if config.worker_heartbeat_endpoint else None)
+        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx, on_wait=self.tick)
+        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx,
+                                on_wait=self._waiting_for_worker)
+        self.draining = False
         info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
         # The kvstore may have served an earlier scheduler of this replica (a restart): start both
         # block stores, the mirror and the replica, from empty.
@@ -137,6 +151,28 @@ class SchedulerService:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted router may reuse its identity
         self.sock.bind(config.endpoint)
         self.state = self._register()
+
+    def tick(self) -> None:
+        """The main thread is alive (it steps, or waits on a peer that may still answer)."""
+        if self.beat is not None:
+            self.beat.tick()
+
+    def _waiting_for_worker(self) -> None:
+        self.tick()
+        if self.worker_watch is not None:
+            self.worker_watch.poke()
+            if self.worker_watch.stuck():
+                raise PeerTimeout(f"the worker at {self.worker.endpoint} is stuck: no heartbeat progress "
+                                  f"for {self.worker_watch.silent_for():.1f} s")
+
+    def _kvstore_same(self) -> None:
+        """Ping the kvstore by asking for its pools: different pool names mean it restarted (its
+        store is empty, its pools new): the mirror is wrong and every request must fail."""
+        info = self.kv.pool_info(timeout_s=self.config.peer_timeout_s)
+        if info.device_pool_names != self.pool_info.device_pool_names:
+            log.warning("the kvstore restarted (new pools %s)", info.device_pool_names)
+            self.pool_info = info
+            self.broken = "the kvstore restarted"
 
     def _wait_for(self, call, name: str, endpoint: str):
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -181,14 +217,15 @@ class SchedulerService:
             except PeerTimeout as e:   # the heartbeat marks the replica not ready; this caller gets a 503
                 self._send(identity, protocol.Error(f"the kvstore did not answer: {e}", 503, "server_error"))
         elif isinstance(msg, protocol.Ping):
-            self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler", self.ready))
+            self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler",
+                                               self.ready and not self.draining))
         else:
             self._send(identity, protocol.Error(f"the scheduler does not take {type(msg).__name__}"))
 
     def _add(self, identity: bytes, msg: protocol.AddRequest) -> None:
-        if not self.ready:
-            self._send(identity, protocol.Error("the engine is not ready", 503, "server_error",
-                                                request_id=msg.request_id))
+        if not self.ready or self.draining:
+            why = "the engine is shutting down" if self.draining else "the engine is not ready"
+            self._send(identity, protocol.Error(why, 503, "server_error", request_id=msg.request_id))
             return
         try:
             params = SamplingParams.from_dict(msg.params)
@@ -307,14 +344,19 @@ class SchedulerService:
         self.timing.maybe_log(idle=not self.core.has_unfinished())
         self._sync_kvstore()     # aborts and frees made while idle
         ok = True
-        pings = ((lambda: self.kv.ping("scheduler", self.config.peer_timeout_s), "kvstore", self.kv.endpoint),
+        pings = ((self._kvstore_same, "kvstore", self.kv.endpoint),
                  (lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s),
                   "worker", self.worker.endpoint))
         for ping, name, endpoint in pings:
             try:
                 ping()
-            except PeerTimeout:
-                log.error("the %s at %s stopped answering", name, endpoint)
+            except (PeerTimeout, KVStoreError) as e:   # KVStoreError: a kvstore still sizing its pools
+                log.error("the %s at %s stopped answering: %s", name, endpoint, e)
+                ok = False
+        if self.worker_watch is not None:
+            self.worker_watch.poke()
+            if self.worker_watch.stuck():
+                log.error("the worker at %s is stuck (no heartbeat progress)", self.worker.endpoint)
                 ok = False
         if self.ready and not ok:
             self.fail_all("an engine process stopped answering")
@@ -408,7 +450,16 @@ def run(config: Config) -> int:
     gc.freeze()
     log.info("scheduler ready on %s (kvstore %s, worker %s)", config.endpoint,
              config.kvstore_endpoint, config.worker_endpoint)
-    while not stop.is_set():
+    drain_until = None
+    while True:
+        if stop.is_set() and drain_until is None:
+            # Drain: new requests get 503 (and /ready says not ready) while those running finish.
+            svc.draining = True
+            drain_until = time.monotonic() + config.shutdown_timeout_s
+            log.info("draining: %d request(s) may run for up to %.0f s", len(svc.owner), config.shutdown_timeout_s)
+        if drain_until is not None and (not svc.core.has_unfinished() or time.monotonic() >= drain_until):
+            break
+        svc.tick()
         busy = svc.core.has_unfinished() and svc.ready
         if svc.sock.poll(0 if busy else 50, zmq.POLLIN):
             while svc.sock.poll(0, zmq.POLLIN):
@@ -423,7 +474,10 @@ def run(config: Config) -> int:
             svc.ready = False
             svc.fail_all(str(e))
     # Requests still running end with an error their clients see (a 503), not a cut connection.
+    svc.publish()
     svc.fail_all("the engine is shutting down")
+    if svc.beat is not None:
+        svc.beat.close()
     # Those last words must leave before the process does. destroy(linger) alone lost one of two
     # final messages in about one stop of three (seen on ipc://); a short pause first delivered
     # every one in repeated stops.

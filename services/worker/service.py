@@ -45,6 +45,7 @@ from kvstore.pool import BlockPool
 from services import config_fields as cf, protocol
 from services.config_fields import at_least, positive
 from services.flags import add_flags, check_config, from_args, opt
+from services.heartbeat import Heartbeat
 from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
@@ -93,6 +94,12 @@ class Config:
     seed: int = cf.seed()
     log_level: str = cf.log_level()
     grammar_cache_size: int = cf.grammar_cache_size()
+    # Supervision (services/heartbeat.py): rank 0 answers Pings here with whether its main thread
+    # moved (a step's layers tick) within hang_timeout_s. None: no heartbeat.
+    heartbeat_endpoint: str | None = cf.optional_endpoint("rank 0 answers heartbeat Pings here (the launcher and "
+                                                          "the scheduler watch it)")
+    hang_timeout_s: float = cf.hang_timeout("seconds without progress after which the heartbeat reports this "
+                                            "worker stuck")
 
     def cross_check(self) -> str | None:
         if not self.rank < self.tp_size:
@@ -196,6 +203,14 @@ class WorkerService:
         except RuntimeError as e:
             raise PeerLost(f"a tensor-parallel rank went away: {_first_line(e)}") from None
         self.last_broadcast = time.monotonic()
+
+    def tick_per_layer(self, tick) -> None:
+        """Call tick() before every decoder layer runs: a long step still shows progress to the
+        heartbeat, a deadlocked one stops ticking."""
+        for name, module in self.runner.model.named_modules():
+            if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
+                for layer in module:
+                    layer.register_forward_pre_hook(lambda *_: tick())
 
     def barrier(self) -> None:
         """On a clean stop: every rank has read the last message before any tears its group down."""
@@ -361,18 +376,26 @@ def run(config: Config) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    service = None
+    service = beat = None
     try:
         if config.rank == 0:
             _bind(sock, config.endpoint)   # first: a busy port fails before the slow model load
         service = start_worker(config)
         log.info("rank %d/%d ready: %s on %s, pool %s", config.rank, config.tp_size, config.model,
                  config.torch_device, service.pool.name)
-        return _serve(sock, service, stop) if config.rank == 0 else _follow(service, stop)
+        if config.rank == 0 and config.heartbeat_endpoint:
+            beat = Heartbeat(config.heartbeat_endpoint, "worker", config.hang_timeout_s, ctx)
+            service.tick_per_layer(beat.tick)
+        return _serve(sock, service, stop, beat) if config.rank == 0 else _follow(service, stop)
     except (StartupError, PeerLost) as e:
         log.error("%s", e)
         return 1
+    except zmq.ZMQError as e:   # the heartbeat endpoint is taken
+        log.error("cannot bind %s: %s", config.heartbeat_endpoint, e)
+        return 1
     finally:
+        if beat is not None:
+            beat.close()
         if service is not None:
             service.close()
             close_tensor_parallel(service.tp)
@@ -381,9 +404,11 @@ def run(config: Config) -> int:
         restore()
 
 
-def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event) -> int:
+def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event, beat=None) -> int:
     """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle."""
     def keep_ranks_alive() -> None:
+        if beat is not None:
+            beat.tick()
         if time.monotonic() - service.last_broadcast >= HEARTBEAT_S:
             service.broadcast("beat")
 
