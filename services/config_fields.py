@@ -6,6 +6,7 @@ default changes in one place. No torch here (the scheduler and the load generato
 """
 from __future__ import annotations
 
+import math
 import re
 
 from kvstore.allocator import ALLOCATIONS
@@ -18,7 +19,8 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
 def positive(v) -> bool | str:
-    return v > 0 or "must be positive"
+    # inf passes `v > 0` and then breaks whatever uses the number (Retry-After, a Redis expiry).
+    return (v > 0 and math.isfinite(v)) or "must be positive and finite"
 
 
 def at_least(n):

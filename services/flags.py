@@ -132,7 +132,11 @@ def parse_value(f: dataclasses.Field, hint: Any, raw: Any) -> Any:
             (item,) = typing.get_args(kind)
             if parse:                     # the parser reads a whole list from each word (JSON)
                 return [v for w in words for v in parse(w)]
-            parts = [p.strip() for w in words for p in (w.split(",") if f.metadata.get("split", True) else [w])]
+            if not f.metadata.get("split", True):
+                # Each word is one item, an empty one included: `--api-key "$UNSET"` must be
+                # refused by the field's check, not dropped into "no key at all" (an open server).
+                return [_scalar(item, w.strip()) for w in words]
+            parts = [p.strip() for w in words for p in w.split(",")]
             return [_scalar(item, p) for p in parts if p]
         return parse(words[-1]) if parse else _scalar(kind, words[-1])
     except ValueError as e:

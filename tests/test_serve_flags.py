@@ -72,6 +72,9 @@ def test_api_keys_from_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "sk-a,sk-b")
     assert serve().api_keys == ["sk-a", "sk-b"]
     assert serve("--api-key", "sk-c").api_keys == ["sk-c"]      # a flag wins over the variable
+    monkeypatch.setenv(API_KEY_ENV, ",")
+    with pytest.raises(ConfigError, match="may not be empty"):
+        serve()
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -87,6 +90,10 @@ def test_api_keys_from_the_environment(monkeypatch):
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["m1", "--model", "m2"], "the model is given twice"),
     (["--port", "70000"], "--port"),
+    (["--api-key", ""], "--api-key"),                 # was dropped: a server without auth
+    (["--api-key", "k1", "--api-key", " "], "--api-key"),
+    (["--rate-limit-window", "inf"], "--rate-limit-window"),   # was a 500 at the first 429
+    (["--request-timeout", "inf"], "--request-timeout"),
 ])
 def test_bad_or_contradictory_flags_exit_2_with_one_line(capsys, argv, needle):
     code = main(["serve", *argv]) if "--bogus" not in argv else _exit_code(["serve", *argv])

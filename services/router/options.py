@@ -34,7 +34,8 @@ class RouterOptions:
     served_model_name: str | None = opt(None, "the model name clients send and see (default: the model's path)")
     api_keys: list[str] = opt([], "an API key clients must send as 'Authorization: Bearer KEY' on /v1/* "
                                   "(repeatable; the environment variable may hold several, comma-separated)",
-                              flag="--api-key", env=API_KEY_ENV, split=False, metavar="KEY")
+                              flag="--api-key", env=API_KEY_ENV, split=False, metavar="KEY",
+                              check=lambda keys: all(keys) or "an API key may not be empty")
     require_api_key: bool = opt(False, "ask for an API key even without --api-key (keys kept in Redis)")
     rate_limit: int | None = opt(None, "requests per window per API key (429 beyond it)", check=at_least(1))
     rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window", flag="--rate-limit-window",
