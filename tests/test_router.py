@@ -511,3 +511,16 @@ def test_a_silent_scheduler_fails_requests_with_503_instead_of_hanging(info, scr
             assert_error(c.post("/v1/completions", json={"prompt": "x"}), 503)   # refused at once now
     finally:
         quiet.stop()
+
+
+def test_ready_answers_within_its_timeout_when_no_scheduler_is_connected(info, tmp_path):
+    """/ready (and /metrics) used to wait up to 5 s more for the Ping to be sent (a DEALER with no
+    peer blocks), longer than a probe's timeout: the answer was no answer, not a 503."""
+    cfg = Config(model=info.path, scheduler_endpoint=f"ipc://{tmp_path}/nobody.sock", router_id="router-alone")
+    with RouterServer(create_app(cfg, info, MemoryState())) as srv, \
+            httpx.Client(base_url=srv.url, timeout=20) as c:
+        for path in ("/ready", "/metrics"):
+            t0 = time.monotonic()
+            status = c.get(path).status_code
+            assert time.monotonic() - t0 < cfg.ready_timeout_s + 1.0, path
+        assert status == 200 and c.get("/ready").status_code == 503

@@ -195,8 +195,11 @@ class SchedulerClient:
         fut = asyncio.get_running_loop().create_future()
         self._ping_waiters.append(fut)
         try:
-            await self._send(protocol.Ping(self.identity, time.time()))
-            return await asyncio.wait_for(fut, timeout_s)
+            # One deadline for the send and the answer: a send to a scheduler that is not
+            # connected waits (up to 5 s) and /ready must answer within its own timeout.
+            async with asyncio.timeout(timeout_s):
+                await self._send(protocol.Ping(self.identity, time.time()))
+                return await fut
         except (asyncio.TimeoutError, SchedulerUnavailable):
             return None
         finally:
@@ -208,8 +211,9 @@ class SchedulerClient:
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
         try:
-            await self._send(protocol.GetStats())
-            return await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):       # as ping: the send counts
+                await self._send(protocol.GetStats())
+                return await fut
         except (asyncio.TimeoutError, SchedulerUnavailable):
             fut.cancel()
             return None
