@@ -73,6 +73,24 @@ def test_the_compile_cache_is_bounded_lru_and_remembers_failures(tokenizer):
         cache.close()
 
 
+@pytest.mark.parametrize("schema, where", [
+    ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "#/allOf"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "integer"}}}}, "#/properties/not"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "#/if"),
+    ({"type": "array", "contains": {"const": 5}}, "#/contains"),
+    ({"anyOf": []}, "#/anyOf"),
+])
+def test_xgrammar_refuses_keywords_it_would_not_enforce(tokenizer, schema, where):
+    """These compiled and were ignored: answers that ended with "stop" did not validate
+    ({"anyOf": []} gave "" and allOf [integer, string] gave '[true]')."""
+    backend = make_backend("xgrammar", tokenizer, 2048, (2,))
+    with pytest.raises(GrammarError, match=re.escape(where)):
+        backend.compile(specs.make("json", schema))
+    # A property *named* like a keyword, and keywords inside data, are no schema keywords.
+    backend.compile(specs.make("json", {"type": "object", "properties": {"not": {"type": "integer"}},
+                                        "required": ["if"], "enum": [{"contains": 1}]}))
+
+
 def _req(seq_id, params, output, has_history=True):
     return SampleRequest(seq_id, params, [], list(output), 0, 0, "k1", has_history)
 

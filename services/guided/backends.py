@@ -30,6 +30,35 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+# Keywords xgrammar 0.2.9 compiles without enforcing (measured: a string they forbid is accepted).
+# A schema that uses one is refused, or a "stop" answer would not validate against its schema.
+XGRAMMAR_IGNORES = ("not", "if", "then", "else", "contains", "minContains", "maxContains")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required", "dependentRequired")
+
+
+def _unenforced(schema: Any, path: str = "#") -> str | None:
+    """The first place in a JSON schema that xgrammar would not enforce, as 'path: why'."""
+    if isinstance(schema, list):
+        return next((w for i, sub in enumerate(schema) if (w := _unenforced(sub, f"{path}/{i}"))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        at = f"{path}/{key}"
+        if key in XGRAMMAR_IGNORES:
+            return f"{at}: '{key}' is not supported"
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            return f"{at}: 'allOf' with more than one schema is not supported"
+        if key in ("anyOf", "oneOf") and value == []:
+            return f"{at}: an empty '{key}' matches nothing"
+        if key in _DATA:
+            continue
+        subs = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
+        if (why := next((w for sub in subs if (w := _unenforced(sub, at))), None)):
+            return why
+    return None
+
+
 class XGrammarBackend:
     name = "xgrammar"
 
@@ -48,6 +77,8 @@ class XGrammarBackend:
     def compile(self, c: dict) -> Any:
         """-> (xgrammar's CompiledGrammar, whether it is JSON)."""
         kind, spec = c["kind"], c["spec"]
+        if kind == "json" and isinstance(spec, str) and (why := _unenforced(json.loads(spec))):
+            raise GrammarError(f"the json constraint uses what the xgrammar backend does not enforce: {why}")
         try:
             if kind in ("json", "json_object"):
                 return self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
