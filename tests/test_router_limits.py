@@ -174,3 +174,24 @@ def test_request_timeout_aborts_and_answers_504(info, fake):
         with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True}) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert '"code":504' in lines[-2].replace(" ", "") and lines[-1] == "data: [DONE]"
+
+
+def test_request_timeout_counts_the_constraints_compile(info, fake):
+    """The timer used to start after the compile: a 5 s compile under --request-timeout 3 ended
+    after 8 s. The compile goes on for the cache (shielded): the next request finds it done."""
+    from services.guided.cache import CompileCache
+
+    class SlowBackend:
+        def compile(self, constraint):
+            time.sleep(2.0)
+            return "compiled"
+
+    with _router(info, fake, request_timeout_s=0.8) as r, httpx.Client(base_url=r.url, timeout=10) as http:
+        r.ctx.grammar_cache = CompileCache(lambda name: SlowBackend())
+        body = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "a+"}}
+        t0 = time.monotonic()
+        resp = http.post("/v1/completions", json=body)
+        assert resp.status_code == 504 and "--request-timeout" in resp.json()["error"]["message"]
+        assert time.monotonic() - t0 < 1.8
+        time.sleep(1.5)
+        assert http.post("/v1/completions", json=body).status_code == 200

@@ -10,6 +10,8 @@ Owns only its two counters; the Generation that runs a request releases its tick
 """
 from __future__ import annotations
 
+import time
+
 from services.router.errors import APIError
 
 RETRY_AFTER_S = 1
@@ -36,6 +38,7 @@ class Ticket:
 
     def __init__(self, admission: Admission):
         self.admission = admission
+        self.since = time.monotonic()     # the request's arrival: --request-timeout counts from here
         self.tokens = 0
         self.held = True
         self.owned = False      # a started Generation releases it; until then its handler does

@@ -162,6 +162,12 @@ class RouterContext:
                                headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
         return self.admission.enter()
 
+    def time_left(self, request: Request) -> float | None:
+        """Seconds --request-timeout leaves this request (None: no limit)."""
+        if self.config.request_timeout_s is None:
+            return None
+        return max(0.0, self.config.request_timeout_s - (time.monotonic() - request.state.ticket.since))
+
     async def engine_stats(self) -> list[tuple[str, dict]]:
         """(replica id, StatsReply.stats) of every scheduler that answers within the timeout."""
         targets = self.backends.targets()

@@ -44,7 +44,7 @@ async def create_chat_completion(ctx: "RouterContext", request):
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings,
                                 structured_outputs=constraint)
-    await check_constraint(ctx.grammar_cache, constraint, constraint_param)
+    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request))
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream), true_output_len=req.true_output_len,

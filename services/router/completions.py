@@ -38,7 +38,7 @@ async def create_completion(ctx: "RouterContext", request):
                                 max_stop_strings=ctx.config.max_stop_strings,
                                 prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None,
                                 structured_outputs=constraint)
-    await check_constraint(ctx.grammar_cache, constraint, constraint_param)
+    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request))
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
                      stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,

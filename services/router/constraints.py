@@ -16,7 +16,7 @@ import asyncio
 
 from services.guided import spec as specs
 from services.guided.backends import GrammarError
-from services.router.errors import bad_request
+from services.router.errors import APIError, bad_request
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM's structured_outputs keys this server does not serve: a 400, not a silently ignored constraint.
@@ -77,11 +77,17 @@ def _response_format(rf: dict) -> list:
                       "response_format.type")
 
 
-async def check(cache, constraint: dict | None, param: str | None) -> None:
-    """Compile the constraint (cached) off the event loop; a GrammarError is a 400."""
+async def check(cache, constraint: dict | None, param: str | None, timeout_s: float | None = None) -> None:
+    """Compile the constraint (cached) off the event loop; a GrammarError is a 400, a compile
+    that outlasts the request's time left (--request-timeout) a 504."""
     if constraint is None:
         return
     try:
-        await asyncio.wrap_future(cache.submit(constraint))
+        # shield: the compile goes on for the cache (a cancelled entry would fail every later
+        # request with the same constraint), only this request stops waiting.
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cache.submit(constraint))), timeout_s)
     except GrammarError as e:
         raise bad_request(str(e), param) from None
+    except asyncio.TimeoutError:
+        raise APIError(504, "compiling the structured-output constraint took longer than the request's "
+                            "--request-timeout", param) from None

@@ -70,7 +70,9 @@ class Generation:
             for p, ids in enumerate(prompts)]
         self.done: set[int] = set()          # prompt indices whose backend request is over
         self.client = None
-        self.arrival = time.monotonic()
+        # From the request's arrival (its ticket), not from here: tokenizing and compiling its
+        # constraint count against --request-timeout and the latencies too.
+        self.arrival = ticket.since if ticket is not None else time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.error: APIError | None = None
@@ -116,7 +118,8 @@ class Generation:
         if self.ticket is not None:
             self.ticket.owned = True
         if ctx.config.request_timeout_s is not None:
-            self.timer = asyncio.get_running_loop().call_later(ctx.config.request_timeout_s, self._timed_out)
+            left = ctx.config.request_timeout_s - (time.monotonic() - self.arrival)
+            self.timer = asyncio.get_running_loop().call_later(max(0.0, left), self._timed_out)
 
     def _timed_out(self) -> None:
         if len(self.done) < len(self.prompts):
