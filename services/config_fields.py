@@ -7,6 +7,7 @@ default changes in one place. No torch here (the scheduler and the load generato
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from kvstore.allocator import ALLOCATIONS
@@ -127,9 +128,17 @@ def gpu_memory_utilization(default: float = 0.9):
                check=lambda v: 0 < v <= 1 or "must be in (0, 1]")
 
 
+def _swap_check(v: float) -> bool | str:
+    if not v >= 0:
+        return "must be >= 0"
+    # More than the machine has used to reach the kvstore, which died with a traceback creating
+    # the pool (OverflowError) or later, on first touch (SIGBUS): refuse it here in one line, as vLLM.
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return v * (1 << 30) <= total or f"must be at most this machine's memory ({total / (1 << 30):.1f} GiB)"
+
+
 def swap_space(default: float = 0.25):
-    return opt(default, "GiB of host memory for swapped-out KV blocks", flag="--swap-space",
-               check=lambda v: v >= 0 or "must be >= 0")
+    return opt(default, "GiB of host memory for swapped-out KV blocks", flag="--swap-space", check=_swap_check)
 
 
 def num_device_blocks():

@@ -94,6 +94,7 @@ def test_api_keys_from_the_environment(monkeypatch):
     (["--api-key", "k1", "--api-key", " "], "--api-key"),
     (["--rate-limit-window", "inf"], "--rate-limit-window"),   # was a 500 at the first 429
     (["--request-timeout", "inf"], "--request-timeout"),
+    (["--swap-space", "1e30"], "--swap-space"),      # was a traceback in the kvstore
 ])
 def test_bad_or_contradictory_flags_exit_2_with_one_line(capsys, argv, needle):
     code = main(["serve", *argv]) if "--bogus" not in argv else _exit_code(["serve", *argv])
