@@ -6,9 +6,12 @@ the copy-on-write and swap copies. The scheduler sends each step's op log (Apply
 mirror; this process replays it once, in order, and answers with the results. Workers ask for the
 pool names (GetPoolInfo) and map the pools; they never ask for blocks.
 
-A step number is applied at most once: a repeated or older ApplyOps (a resend after a timeout, a
-duplicate) is answered with an Error instead of being applied twice, which would corrupt the replica.
-Malformed messages are logged on one line and answered with an Error; the loop never dies of one.
+Steps apply in order, each once: after a reset (and at start) the next step must be 1, then each
+one the last applied plus one. A repeated or older ApplyOps (a resend after a timeout, a duplicate)
+or one from the future (a lost step between) is answered with an Error and not applied: either would
+corrupt the replica. Malformed messages are logged on one line and answered with an Error; the loop
+never dies of one. The socket is guarded by services.curve (CURVE keys on a network address, a
+frame size limit).
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from kvstore.allocator import ALLOCATIONS, make_policy
 from kvstore.sizing import PoolSizing
 from kvstore.store import BlockStore
 from services import protocol
+from services.curve import KEYS_ENV, SocketGuard
+from services.flags import opt
 from services.process import answer_requests, on_stop_signals, service_main
 
 log = logging.getLogger("pagedserve.kvstore")
@@ -56,6 +61,8 @@ class Config:
                                          # profiled (kvstore/sizing.py); num_device_blocks is unused
     endpoint: str = "tcp://127.0.0.1:5601"
     log_level: str = "INFO"
+    curve_keys: str = opt("", f"folder of CURVE keys (pagedserve keys DIR; else ${KEYS_ENV}): "
+                              "required to listen on a non-loopback address")
 
     def validate(self) -> "Config":
         if not 0.0 <= self.gpu_memory_utilization <= 1.0:
@@ -104,6 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sized from free memory after the workers' profiling pass (0: --num-device-blocks)")
     p.add_argument("--endpoint", default=Config.endpoint)
     p.add_argument("--log-level", default=Config.log_level)
+    p.add_argument("--curve-keys", default="", help=f"folder of CURVE keys (else ${KEYS_ENV})")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -112,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   enable_prefix_caching=not args.no_prefix_caching, allocation=args.allocation,
                   max_model_len=args.max_model_len, device=args.device,
                   gpu_memory_utilization=args.gpu_memory_utilization,
-                  endpoint=args.endpoint, log_level=args.log_level)
+                  endpoint=args.endpoint, log_level=args.log_level, curve_keys=args.curve_keys)
 
 
 # ---- pools -------------------------------------------------------------------------------------
@@ -222,10 +230,12 @@ class KVStoreService:
         return _pong(protocol.Ping())
 
     def _apply(self, msg: protocol.ApplyOps):
-        if self.last_step is not None and msg.step <= self.last_step:
-            log.warning("rejected ApplyOps step %d: step %d was already applied", msg.step, self.last_step)
-            return protocol.Error(f"step {msg.step} is not after the last applied step {self.last_step}: "
-                                  f"not applied again", code=409, param="step")
+        expected = (self.last_step or 0) + 1
+        if msg.step != expected:
+            why = (f"step {msg.step} is not after the last applied step {self.last_step}: not applied again"
+                   if msg.step < expected else f"step {msg.step} is from the future: the next step is {expected}")
+            log.warning("rejected ApplyOps: %s", why)
+            return protocol.Error(why, code=409, param="step")
         error = None
         try:
             with self.sync.copies():
@@ -255,9 +265,14 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     pools = None
+    guard = SocketGuard(None, log)
     try:
         try:
-            sock.bind(config.endpoint)   # first: a busy port must fail before the pools are made
+            guard = SocketGuard.from_setting(config.curve_keys, log)
+            guard.listen(sock, config.endpoint)   # first: a busy port must fail before the pools are made
+        except ValueError as e:   # InsecureEndpoint, KeysError: the operator's to fix
+            log.error("%s", e)
+            return 2
         except zmq.ZMQError as e:
             log.error("cannot bind %s: %s", config.endpoint, e)
             return 1
@@ -291,6 +306,7 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     finally:
         if pools is not None:
             pools.close_all()
+        guard.close()
         sock.close()
         ctx.term()
         restore()

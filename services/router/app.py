@@ -25,6 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.curve import SocketGuard
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.detokenizer import TokenTexts, fast_decoder
@@ -65,13 +66,15 @@ class RouterContext:
         self.metrics = RouterMetrics(self.model_name)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
+        # CURVE keys for the scheduler sockets (services/curve.py); KeysError here, at start-up.
+        self.guard = SocketGuard.from_setting(config.curve_keys)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------
     def start(self) -> None:
         self.zmq_ctx = zmq.asyncio.Context()
         self.backends = Backends(self.router_id, self.zmq_ctx, self.state, self.config.scheduler_endpoint,
-                                 self.config.ping_interval_s, self.config.scheduler_timeout_s)
+                                 self.config.ping_interval_s, self.config.scheduler_timeout_s, self.guard)
         self.backends.start()
 
     async def stop(self) -> None:

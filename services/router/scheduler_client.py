@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from services import protocol
+from services.curve import SocketGuard
 
 log = logging.getLogger("pagedserve.router")
 
@@ -97,8 +98,9 @@ class SchedulerUnavailable(RuntimeError):
 
 class SchedulerClient:
     def __init__(self, endpoint: str, identity: str, ctx: zmq.asyncio.Context,
-                 ping_interval_s: float = 1.0, dead_after_s: float = 10.0):
+                 ping_interval_s: float = 1.0, dead_after_s: float = 10.0, guard: SocketGuard | None = None):
         self.endpoint = endpoint
+        self.guard = guard or SocketGuard(None)   # CURVE keys when the scheduler is on a network
         self.identity = identity
         self.ctx = ctx
         self.ping_interval_s = ping_interval_s
@@ -122,7 +124,7 @@ class SchedulerClient:
         # instead of piling requests up for a scheduler that may come back much later.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RCVHWM, 0)    # every token and end the scheduler sends is kept (no drops)
-        sock.connect(self.endpoint)
+        self.guard.connect(sock, self.endpoint)
         self.sock = sock
         self._tasks = [asyncio.create_task(self._receive_loop(), name=f"recv {self.endpoint}"),
                        asyncio.create_task(self._heartbeat_loop(), name=f"ping {self.endpoint}")]

@@ -21,6 +21,10 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
+from services.curve import KEYS_ENV, KeysError
+from services.flags import opt
+from services.state import redact_url
+
 log = logging.getLogger("pagedserve.router")
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
@@ -52,6 +56,8 @@ class Config:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    curve_keys: str = opt("", f"folder of CURVE keys for the scheduler sockets (pagedserve keys DIR; "
+                              f"else ${KEYS_ENV})")
 
     def __post_init__(self):
         if not self.router_id:
@@ -121,6 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face folder (tokenizer and config are read)")
     p.add_argument("--host", default=Config.host)
     p.add_argument("--port", type=int, default=Config.port)
+    p.add_argument("--curve-keys", default="", help=f"folder of CURVE keys (else ${KEYS_ENV})")
     p.add_argument("--scheduler-endpoint", default=Config.scheduler_endpoint,
                    help="the scheduler to send requests to; 'none' to pick replicas from --redis-url")
     p.add_argument("--redis-url", default=None, help="shared state for several routers (else in process)")
@@ -149,7 +156,7 @@ def config_from_args(args) -> Config:
                   api_keys=list(args.api_keys), rate_limit=args.rate_limit,
                   rate_limit_window_s=args.rate_limit_window, scheduler_timeout_s=args.scheduler_timeout,
                   log_level=args.log_level.upper(), max_stop_strings=args.max_stop_strings,
-                  **cors_fields(args)).validate()
+                  curve_keys=args.curve_keys, **cors_fields(args)).validate()
 
 
 def build_app(config: Config, state=None):
@@ -223,9 +230,12 @@ def run(config: Config) -> int:
     except ModelLoadError as e:
         print(f"router: {e}", file=sys.stderr)
         return 1
+    except KeysError as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 2
     except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
         if type(e).__module__.startswith("redis"):
-            print(f"router: cannot use Redis at {config.redis_url}: {e}", file=sys.stderr)
+            print(f"router: cannot use Redis at {redact_url(config.redis_url)}: {e}", file=sys.stderr)
             return 1
         raise
     server = server_cls(uvicorn.Config(app, host=config.host, port=config.port,

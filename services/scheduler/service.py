@@ -20,8 +20,11 @@ import zmq
 
 from kvstore.client import KVStoreClient, KVStoreError
 from services import protocol
+from services.curve import KEYS_ENV, InsecureEndpoint, KeysError, SocketGuard
+from services.flags import opt
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
+from services.state import redact_url
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from services.scheduler.stepper import RouterView, WorkerView
@@ -48,6 +51,8 @@ class Config:
     step_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0
     log_level: str = "INFO"
+    curve_keys: str = opt("", f"folder of CURVE keys (pagedserve keys DIR; else ${KEYS_ENV}): "
+                              "required to listen on a non-loopback address")
 
     def validate(self) -> "Config":
         from services.engine_config import PREEMPTION_MODES
@@ -80,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=Config.startup_timeout_s,
                    help="seconds to wait for the kvstore and the worker at start-up")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--curve-keys", default="", help=f"folder of CURVE keys (else ${KEYS_ENV})")
 
 
 def config_from_args(args) -> Config:
@@ -89,7 +95,7 @@ def config_from_args(args) -> Config:
                   batching=args.batching,
                   max_model_len=args.max_model_len, redis_url=args.redis_url, replica_id=args.replica_id,
                   advertise=args.advertise, startup_timeout_s=args.startup_timeout,
-                  log_level=args.log_level).validate()
+                  log_level=args.log_level, curve_keys=args.curve_keys).validate()
 
 
 class StepTiming:
@@ -121,9 +127,11 @@ class SchedulerService:
 
         self.config = config
         _, spec = inspect_model_dir(config.model)
+        self.guard = SocketGuard.from_setting(config.curve_keys, log)
+        self.guard.check_listen(config.endpoint)   # before waiting for the peers: the operator's to fix
         self.ctx = zmq.Context()
-        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx)
-        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx)
+        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx, self.guard)
+        self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx, self.guard)
         info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
         # The kvstore may have served an earlier scheduler of this replica (a restart): start both
         # block stores, the mirror and the replica, from empty.
@@ -157,7 +165,7 @@ class SchedulerService:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted router may reuse its identity
-        self.sock.bind(config.endpoint)
+        self.guard.listen(self.sock, config.endpoint)
         self.state = self._register()
 
     def _wait_for(self, call, name: str, endpoint: str):
@@ -249,6 +257,8 @@ class SchedulerService:
                 reply = self.worker.receive()
                 if not isinstance(reply, protocol.StepResult) or reply.error:
                     raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
+                if reply.step != request.step:   # never a reply to another question: fail, do not apply
+                    raise RuntimeError(f"the worker answered step {request.step} with step {reply.step}")
                 results, worker_s, prompt_logprobs = reply.results, reply.elapsed, reply.prompt_logprobs
         finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
             t3 = time.perf_counter()
@@ -366,6 +376,7 @@ class SchedulerService:
             log.error("could not reset the kvstore: %s", e)
             return False
         self.mirror = self.core.store = self._new_mirror()
+        self.step_no = 0                   # a reset kvstore takes step 1 next (it applies them in order)
         self.workers_view.forget_all()     # the worker drops its tables and params with the next step
         self.broken = None
         log.warning("block stores reset: the scheduler's mirror and the kvstore start from empty")
@@ -417,12 +428,15 @@ def run(config: Config) -> int:
     on_stop_signals(stop)
     try:
         svc = SchedulerService(config)
+    except (InsecureEndpoint, KeysError) as e:
+        print(f"scheduler: {e}", file=sys.stderr)
+        return 2
     except zmq.ZMQError as e:
         print(f"scheduler: cannot bind {config.endpoint}: {e}", file=sys.stderr)
         return 1
     except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
         if type(e).__module__.startswith("redis"):
-            print(f"scheduler: cannot use Redis at {config.redis_url}: {e}", file=sys.stderr)
+            print(f"scheduler: cannot use Redis at {redact_url(config.redis_url)}: {e}", file=sys.stderr)
             return 1
         raise
     # Everything built so far lives as long as the process: keep the collector from rescanning it
@@ -450,6 +464,7 @@ def run(config: Config) -> int:
     # final messages in about one stop of three (seen on ipc://); a short pause first delivered
     # every one in repeated stops.
     time.sleep(0.2)
+    svc.guard.close()
     svc.ctx.destroy(linger=1000)
     return 0
 

@@ -42,6 +42,8 @@ from kvstore.cuda_sync import NoSync, StepSync
 from kvstore.sizing import WAITING
 from kvstore.pool import BlockPool
 from services import protocol
+from services.curve import KEYS_ENV, InsecureEndpoint, KeysError, SocketGuard
+from services.flags import opt
 from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import DTYPES, ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
@@ -83,6 +85,8 @@ class Config:
     torch_threads: int = 0                       # 0: torch's default
     seed: int = 0
     log_level: str = "INFO"
+    curve_keys: str = opt("", f"folder of CURVE keys (pagedserve keys DIR; else ${KEYS_ENV}): "
+                              "required to listen on a non-loopback address")
 
     def validate(self) -> "Config":
         if not self.model:
@@ -141,6 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=Config.torch_threads)
     p.add_argument("--seed", type=int, default=Config.seed, help="for unseeded sampling")
     p.add_argument("--log-level", default=Config.log_level)
+    p.add_argument("--curve-keys", default="", help=f"folder of CURVE keys (else ${KEYS_ENV})")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -149,7 +154,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   kvstore_endpoint=args.kvstore_endpoint, kvstore_timeout_s=args.kvstore_timeout,
                   device=args.device, dtype=args.dtype, block_size=args.block_size,
                   profile_tokens=args.profile_tokens, profile_seqs=args.profile_seqs,
-                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level)
+                  torch_threads=args.torch_threads, seed=args.seed, log_level=args.log_level,
+                  curve_keys=args.curve_keys)
 
 
 # ---- the service core: messages in, messages out (no sockets) ----------------------------------
@@ -161,7 +167,7 @@ class WorkerService:
                  tp: TensorParallel = SINGLE, sync=None):
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
         self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
-        self.inputs = StepInputs()
+        self.inputs = StepInputs(pool.num_blocks, runner.spec.vocab_size)   # ids checked against both
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
 
@@ -247,9 +253,14 @@ class WorkerService:
 POOL_WAIT_S = 300.0   # for a kvstore that sizes its pools: every rank loads and profiles first
 
 
+def _kvstore_client(config: Config) -> KVStoreClient:
+    return KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s,
+                         guard=SocketGuard.from_setting(config.curve_keys, log))
+
+
 def fetch_pool_info(config: Config) -> protocol.PoolInfo | None:
     """The kvstore's PoolInfo, or None when it waits for memory reports before making its pools."""
-    client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
+    client = _kvstore_client(config)
     try:
         return check_pool_info(client.pool_info(), config)
     except PeerTimeout:
@@ -266,7 +277,7 @@ def fetch_pool_info(config: Config) -> protocol.PoolInfo | None:
 def report_and_wait(config: Config, reserve_bytes: int, wait_s: float = POOL_WAIT_S) -> protocol.PoolInfo:
     """Send this rank's profile, then ask for PoolInfo until the kvstore has made the pools (it
     waits for every rank, then allocates and warms up: silent for a few seconds)."""
-    client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
+    client = _kvstore_client(config)
     deadline = time.monotonic() + wait_s
     try:
         client.report_memory(config.rank, reserve_bytes)
@@ -384,9 +395,14 @@ def run(config: Config) -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     service = None
+    guard = SocketGuard(None, log)
     try:
+        try:
+            guard = SocketGuard.from_setting(config.curve_keys, log)
+        except KeysError as e:
+            raise StartupError(str(e)) from None
         if config.rank == 0:
-            _bind(sock, config.endpoint)   # first: a busy port fails before the slow model load
+            _bind(guard, sock, config.endpoint)   # first: a busy port fails before the slow model load
         service = start_worker(config)
         log.info("rank %d/%d ready: %s on %s, pool %s", config.rank, config.tp_size, config.model,
                  config.torch_device, service.pool.name)
@@ -398,6 +414,7 @@ def run(config: Config) -> int:
         if service is not None:
             service.close()
             close_tensor_parallel(service.tp)
+        guard.close()
         sock.close()
         ctx.term()
         restore()
@@ -437,9 +454,11 @@ def _follow(service: WorkerService, stop: threading.Event) -> int:
     return 0
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> None:
+def _bind(guard: SocketGuard, sock: zmq.Socket, endpoint: str) -> None:
     try:
-        sock.bind(endpoint)
+        guard.listen(sock, endpoint)
+    except (InsecureEndpoint, KeysError) as e:
+        raise StartupError(str(e)) from None
     except zmq.ZMQError as e:
         raise StartupError(f"cannot bind {endpoint}: {e}") from None
 
