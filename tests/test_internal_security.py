@@ -157,9 +157,13 @@ def client(endpoint: str, server_public: bytes | None = None, client_keys: tuple
 
 def ask(sock: zmq.Socket, frames: list, timeout_ms: int = 5000):
     # A DEALER whose handshake failed has no pipe to queue on: a blocking send would wait forever.
-    if not sock.poll(timeout_ms, zmq.POLLOUT):
+    # (POLLOUT may hold for a pipe that the failed handshake then drops: Again.)
+    try:
+        if not sock.poll(timeout_ms, zmq.POLLOUT):
+            return None
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
         return None
-    sock.send_multipart(frames, zmq.NOBLOCK)
     if not sock.poll(timeout_ms):
         return None
     return protocol.decode(sock.recv_multipart())
