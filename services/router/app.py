@@ -32,7 +32,8 @@ from services.router.detokenizer import TokenTexts, fast_decoder
 from services.router.errors import APIError, bad_request, error_body
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.model_info import ModelInfo
-from services.router.openai_schema import validation_error
+from services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, openapi_body,
+                                           validation_error)
 from services.router.replicas import Backends
 from services.state import StateStore
 
@@ -215,11 +216,11 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
                             headers={"Connection": "close"})
 
     # ---- generation --------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         return await create_completion(ctx, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await create_chat_completion(ctx, request)
 
