@@ -1,5 +1,5 @@
 """The internal sockets' security: CURVE on every ZeroMQ endpoint that listens on a network, a size
-limit on every frame received, and a log line for every refused peer.
+limit on the frames a server receives, and a log line for every refused peer.
 
 The launcher's endpoints are ipc:// in a private folder (or loopback tcp://), which only this
 host's user can reach; the compose stack's listen on the container network, where any container
@@ -12,8 +12,9 @@ PAGEDSERVE_CURVE_KEYS environment variable) holds:
     authorized/*.key                 the client public keys a server accepts (the allow-list)
 
 A server checks every connecting client's public key against authorized/ through a ZAP handler
-(pyzmq's ThreadAuthenticator, one per context): a client without keys fails the handshake (mechanism mismatch), one
-with a key not on the list is denied; both are logged and the server carries on. A server asked to
+(pyzmq's ThreadAuthenticator, one per context): a client without keys fails the handshake
+(mechanism mismatch), one with a key not on the list is denied; both are logged and the server
+carries on. A server asked to
 listen on a non-loopback tcp:// address without keys refuses to start (InsecureEndpoint): there is
 no opt-out, because making keys is one command.
 
