@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: serve demo test bench-kernels gpu-wheels gpu-check clean soak
+.PHONY: serve demo test fuzz soak bench-kernels gpu-wheels gpu-check clean
 
 # The GPU machine runs the check with its own Python (torch, triton; no network, no .venv there).
 GPU_PY ?= python3
@@ -33,6 +33,11 @@ test: $(STAMP)
 # 127.0.0.1:6379; tests/test_soak.py is the short form in `make test`).
 soak: $(STAMP)
 	$(BIN)/python -m loadgen.soak --duration 180
+
+# The long form of the fuzzing in `make test`: Hypothesis over every protocol decoder, and
+# schemathesis over every route of a running router (no 5xx, no blocks left held). ~10 minutes.
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=20000 API_FUZZ_EXAMPLES=300 $(BIN)/python -m pytest tests/test_protocol_fuzz.py tests/test_api_fuzz.py
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m kernels.benchmark

@@ -15,6 +15,7 @@ import zmq
 from kernels.device import on_device
 from kvstore.pool import BlockPool
 from services import protocol
+from services.curve import SocketGuard
 from services.rpc import PeerTimeout, RpcClient
 
 __all__ = ["KVStoreClient", "KVStoreError", "PeerTimeout", "attach_pools"]
@@ -33,9 +34,9 @@ class KVStoreError(RuntimeError):
 
 class KVStoreClient:
     def __init__(self, endpoint: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
-                 on_wait=None):
+                 on_wait=None, guard: SocketGuard | None = None):
         self.endpoint = endpoint
-        self._rpc = RpcClient(endpoint, timeout_s, ctx, on_wait)
+        self._rpc = RpcClient(endpoint, timeout_s, ctx, on_wait=on_wait, guard=guard)   # guard: CURVE keys (services.curve)
 
     def apply(self, step: int, ops: list[list]) -> protocol.ApplyOpsReply:
         """Send one step's op log; the reply's results are to be compared with the mirror's."""

@@ -6,9 +6,12 @@ the copy-on-write and swap copies. The scheduler sends each step's op log (Apply
 mirror; this process replays it once, in order, and answers with the results. Workers ask for the
 pool names (GetPoolInfo) and map the pools; they never ask for blocks.
 
-A step number is applied at most once: a repeated or older ApplyOps (a resend after a timeout, a
-duplicate) is answered with an Error instead of being applied twice, which would corrupt the replica.
-Malformed messages are logged on one line and answered with an Error; the loop never dies of one.
+Steps apply in order, each once: after a reset (and at start) the next step must be 1, then each
+one the last applied plus one. A repeated or older ApplyOps (a resend after a timeout, a duplicate)
+or one from the future (a lost step between) is answered with an Error and not applied: either would
+corrupt the replica. Malformed messages are logged on one line and answered with an Error; the loop
+never dies of one. The socket is guarded by services.curve (CURVE keys on a network address, a
+frame size limit).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from kvstore.store import BlockStore
 from services import config_fields as cf, protocol
 from services.config_fields import at_least
 from services.flags import add_flags, check_config, from_args, opt
+from services.curve import SocketGuard
 from services.process import answer_requests, on_stop_signals, service_main
 
 log = logging.getLogger("pagedserve.kvstore")
@@ -63,6 +67,7 @@ class Config:
                                         check=lambda v: 0 <= v <= 1 or "must be in [0, 1]")
     endpoint: str = cf.endpoint("tcp://127.0.0.1:5601", "where the kvstore serves the scheduler and the workers")
     log_level: str = cf.log_level()
+    curve_keys: str = cf.curve_keys("required to listen on a non-loopback address")
 
     def cross_check(self) -> str | None:
         if self.gpu_memory_utilization and self.device == "cpu":
@@ -192,10 +197,12 @@ class KVStoreService:
         return _pong(protocol.Ping())
 
     def _apply(self, msg: protocol.ApplyOps):
-        if self.last_step is not None and msg.step <= self.last_step:
-            log.warning("rejected ApplyOps step %d: step %d was already applied", msg.step, self.last_step)
-            return protocol.Error(f"step {msg.step} is not after the last applied step {self.last_step}: "
-                                  f"not applied again", code=409, param="step")
+        expected = (self.last_step or 0) + 1
+        if msg.step != expected:
+            why = (f"step {msg.step} is not after the last applied step {self.last_step}: not applied again"
+                   if msg.step < expected else f"step {msg.step} is from the future: the next step is {expected}")
+            log.warning("rejected ApplyOps: %s", why)
+            return protocol.Error(why, code=409, param="step")
         error = None
         try:
             with self.sync.copies():
@@ -225,9 +232,14 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     pools = None
+    guard = SocketGuard(None, log)
     try:
         try:
-            sock.bind(config.endpoint)   # first: a busy port must fail before the pools are made
+            guard = SocketGuard.from_setting(config.curve_keys, log)
+            guard.listen(sock, config.endpoint)   # first: a busy port must fail before the pools are made
+        except ValueError as e:   # InsecureEndpoint, KeysError: the operator's to fix
+            log.error("%s", e)
+            return 2
         except zmq.ZMQError as e:
             log.error("cannot bind %s: %s", config.endpoint, e)
             return 1
@@ -261,6 +273,7 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     finally:
         if pools is not None:
             pools.close_all()
+        guard.close()
         sock.close()
         ctx.term()
         restore()

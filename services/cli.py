@@ -29,6 +29,15 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def cmd_keys(args) -> int:
+    from services.curve import make_keys
+    if make_keys(args.dir):
+        print(f"wrote CURVE keys to {args.dir} (server, client, authorized/client.key)")
+    else:
+        print(f"{args.dir} has CURVE keys already: kept")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from services.engine import Engine
     from services.sampling_params import SamplingParams
@@ -125,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print ids, text and engine stats as JSON")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("keys", help="write CURVE keys for the internal sockets (kept if present)")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_keys)
 
     _add_service_commands(sub)
 

@@ -194,6 +194,11 @@ def optional_endpoint(help: str):
     return opt(None, help, check=endpoint_check)
 
 
+def curve_keys(why: str):
+    from services.curve import KEYS_ENV     # (no import cycle: curve needs only zmq)
+    return opt("", f"folder of CURVE keys (pagedserve keys DIR; else ${KEYS_ENV}): {why}")
+
+
 def seed(default: int = 0):
     return opt(default, "seed of unseeded sampling")
 

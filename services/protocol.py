@@ -325,7 +325,7 @@ def _build(cls: type, body: dict, frames: list) -> Any:
             _bad(cls, name, value)
         kwargs[name] = value
     if len(body) > len(kwargs) and set(body) - {n for n, *_ in _field_specs(cls)}:
-        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(body) - set(kwargs))}")
+        raise ProtocolError(f"{cls.__name__}: unknown fields {_names(set(body) - set(kwargs))}")
     return cls(**kwargs)
 
 
@@ -351,17 +351,17 @@ def _build_columns(owner: type, name: str, cls: type, columns: dict) -> list:
     """{field: [value per item]} -> [cls(...) per item], every column checked in one pass."""
     specs = _column_specs(cls)
     if set(columns) - {n for n, *_ in specs}:
-        raise ProtocolError(f"{owner.__name__}.{name}: unknown columns {sorted(set(columns) - {n for n, *_ in specs})}")
+        raise ProtocolError(f"{owner.__name__}.{name}: unknown columns {_names(set(columns) - {n for n, *_ in specs})}")
     present = [(n, columns[n]) for n, _, _ in specs if n in columns]
     if not present:
         return []
     length = len(present[0][1]) if type(present[0][1]) is list else -1
     for n, required, check in specs:
-        col = columns.get(n)
-        if col is None:
+        if n not in columns:   # (a column sent as nil is present, and checked: it is no list)
             if required:
                 raise ProtocolError(f"{owner.__name__}.{name}: missing column {n!r}")
             continue
+        col = columns[n]
         if type(col) is not list or len(col) != length or not check(col):
             raise ProtocolError(f"{owner.__name__}.{name}: bad column {n!r}")
     names = [n for n, _ in present]
@@ -470,6 +470,11 @@ def _field_specs(cls: type) -> list:
                  for f in dataclasses.fields(cls)]
         _SPECS[cls] = specs
     return specs
+
+
+def _names(keys: set) -> list[str]:
+    """Unknown keys for an error message: any msgpack type (sorted as text: mixed types do not compare)."""
+    return sorted(map(repr, keys))
 
 
 def _bad(cls: type, name: str, value: Any):

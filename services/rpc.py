@@ -3,7 +3,12 @@
 A peer that does not answer in time raises PeerTimeout; so does a peer whose connection drops while
 we wait (seen through a ZeroMQ socket monitor), at once rather than at the deadline: a worker that
 dies mid-step fails the step in milliseconds, not after the step timeout. Either way the socket is
-rebuilt, so that a late reply can never be mistaken for the answer to the next question.
+rebuilt, so that a late reply can never be mistaken for the answer to the next question. A reply
+that does not decode raises BadReply (a PeerTimeout: the caller treats the peer as broken) and
+rebuilds the socket too: the reply and the question are no longer known to pair up.
+
+The socket is set up by services.curve.SocketGuard: CURVE when the process has keys, and a limit
+on the frames it takes.
 
 `on_wait`, if given, runs at least every WAIT_SLICE_S while an answer is awaited: a caller that
 waits is alive (it ticks its own heartbeat), and may give up early (it raises PeerTimeout, e.g.
@@ -17,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services import protocol
+from services.curve import SocketGuard
 
 
 WAIT_SLICE_S = 0.25
@@ -26,11 +32,19 @@ class PeerTimeout(RuntimeError):
     """The peer did not answer in time, or its connection dropped: it is down, stuck, or unreachable."""
 
 
+class BadReply(PeerTimeout):
+    """The peer answered with something that is not a protocol message."""
+
+
+PLAIN = SocketGuard(None)   # no keys: loopback and ipc peers
+
+
 class RpcClient:
     def __init__(self, endpoint: str, timeout_s: float = 10.0, ctx: zmq.Context | None = None,
-                 on_wait=None):
+                 on_wait=None, guard: SocketGuard | None = None):
         self.endpoint = endpoint
         self.on_wait = on_wait
+        self.guard = guard or PLAIN
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = ctx or zmq.Context.instance()
         self.sock, self.monitor = self._connect()
@@ -39,7 +53,7 @@ class RpcClient:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.endpoint)
+        self.guard.connect(sock, self.endpoint)
         return sock, monitor
 
     def _reconnect(self) -> None:
@@ -72,7 +86,12 @@ class RpcClient:
                 left = min(left, int(WAIT_SLICE_S * 1000))
             ready = dict(poller.poll(left))
             if self.sock in ready:
-                return protocol.decode(self.sock.recv_multipart(copy=False))
+                frames = self.sock.recv_multipart(copy=False)
+                try:
+                    return protocol.decode(frames)
+                except protocol.ProtocolError as e:
+                    self._reconnect()
+                    raise BadReply(f"{self.endpoint} answered with a malformed message: {e}") from None
             if self.monitor in ready and self._disconnected():
                 self._reconnect()
                 raise PeerTimeout(f"{self.endpoint} dropped the connection before answering")

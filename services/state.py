@@ -228,6 +228,19 @@ class MemoryState(StateStore):
 
 # ------------------------------------------------------------------------------------------------
 
+def redact_url(url: str | None) -> str | None:
+    """A Redis URL fit for a log line: its password (redis://:pw@host, redis://user:pw@host) hidden."""
+    from urllib.parse import urlsplit
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 class RedisState(StateStore):
     """The shared store. Every key sits under `prefix`, so tests (and stacks) can share one server."""
 

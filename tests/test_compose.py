@@ -13,7 +13,7 @@ import yaml
 from services.cli import SERVICES, _service_args
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED = {"redis", "kvstore", "worker", "scheduler", "router", "nginx"}
+EXPECTED = {"keys", "redis", "kvstore", "worker", "scheduler", "router", "nginx"}
 
 
 def _substitute(value: str) -> str:
@@ -60,6 +60,26 @@ def test_command_parses_with_real_cli(compose, name):
     assert argv[0] in SERVICES
     args = _service_args(argv)              # argparse exits (SystemExit) on an unknown flag
     assert args.command == name
+
+
+def test_every_zeromq_process_gets_the_curve_keys_made_first(compose, tmp_path):
+    """The engine's sockets listen on the compose network: each process reads the keys volume
+    (PAGEDSERVE_CURVE_KEYS) after the one-shot keys service wrote it, and the keys it writes load."""
+    from services.cli import build_parser
+    from services.curve import CurveKeys, is_local
+    services = compose["services"]
+    keys = services["keys"]
+    args = build_parser().parse_args(keys["command"][:1] + [str(tmp_path / "k")])
+    assert args.func(args) == 0 and CurveKeys.load(str(tmp_path / "k")).client_secret is not None
+    assert keys["restart"] == "no" and keys["volumes"] == ["curve-keys:/keys"]
+    for name in ("kvstore", "worker", "scheduler", "router"):
+        svc = services[name]
+        folder = svc["environment"]["PAGEDSERVE_CURVE_KEYS"]
+        assert f"curve-keys:{folder}:ro" in svc["volumes"] and keys["command"][1] == folder, name
+        assert svc["depends_on"]["keys"] == {"condition": "service_completed_successfully"}, name
+        argv = [_substitute(str(a)) for a in svc["command"]]
+        if "--endpoint" in argv:   # why the keys are needed: a network address
+            assert not is_local(argv[argv.index("--endpoint") + 1]), name
 
 
 def test_nginx_config_is_valid(tmp_path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 
+import types
+
 import pytest
 import torch
 
@@ -165,6 +167,8 @@ def test_worker_step_waits_for_copies_then_records_then_meets_the_others(fake):
 class FakeRunner:
     """Logs the forward; returns no logits (no row wanted them)."""
 
+    spec = types.SimpleNamespace(vocab_size=8)     # token ids are checked against it
+
     def __init__(self, fake: FakeCuda):
         self.fake = fake
 
@@ -184,7 +188,8 @@ def test_a_step_that_samples_nothing_still_records_on_every_rank(fake, rank):
     copies, steps = kv.event_handles()
     runner = FakeRunner(fake)
     core = WorkerCore(runner, eos_token_ids=(2,)) if rank == 0 else None
-    service = WorkerService(runner, core, pool=None, sync=StepSync(copies[rank], steps[rank], DEVICES[rank]))
+    pool = types.SimpleNamespace(num_blocks=8)     # the service checks block ids against the pool's size
+    service = WorkerService(runner, core, pool=pool, sync=StepSync(copies[rank], steps[rank], DEVICES[rank]))
     msg = protocol.ExecuteStep(1, [protocol.SeqWork(7, [5, 6, 7], 0, samples=[])],
                                table_updates={7: [0, 3]})
     fake.log.clear()

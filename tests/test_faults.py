@@ -200,3 +200,54 @@ def test_a_kvstore_that_pauses_past_the_timeout_is_resynced_not_left_diverged(ti
     finally:
         sock.close()
         stop(procs)
+
+
+def test_a_garbled_or_mismatched_worker_reply_fails_the_request_not_the_scheduler(tiny_llama, tmp_path):
+    """A worker whose answer to a step does not decode, or answers another step: the request in
+    that step ends with an error and the scheduler lives on (a ProtocolError escaping its loop used
+    to end the process)."""
+    import threading
+    from services.worker.model_loader import inspect_model_dir
+    import torch
+    _, spec = inspect_model_dir(tiny_llama)
+    kv, worker, sched = (f"ipc://{tmp_path}/{n}.sock" for n in ("kv", "worker", "sched"))
+    replies = iter([lambda step: [b"\xc1garbage"],
+                    lambda step: protocol.encode(protocol.StepResult(step + 7, []))])
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.bind(worker)
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            if not fake.poll(100):
+                continue
+            ident, *frames = fake.recv_multipart()
+            msg = protocol.decode(frames)
+            if isinstance(msg, protocol.ExecuteStep):
+                fake.send_multipart([ident, *next(replies, lambda s: [b"\xc1"])(msg.step)])
+            else:
+                fake.send_multipart([ident, *protocol.encode(protocol.Pong("worker", role="worker"))])
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    procs = [start("kvstore", "--endpoint", kv, "--num-device-blocks", "64", "--block-size", "16",
+                   "--block-bytes", str(spec.block_bytes(16, torch.float32))),
+             start_scheduler(tiny_llama, sched, kv, worker)]
+    try:
+        for request_id in ("garbled", "mismatched"):
+            sock = connect_when_ready(sched, procs)
+            params = SamplingParams(max_tokens=4, temperature=0).to_dict()
+            sock.send_multipart(protocol.encode(protocol.AddRequest(request_id, [10, 11, 12], params)))
+            final = None
+            while final is None:
+                assert sock.poll(30000), "the request hung"
+                msg = protocol.decode(sock.recv_multipart())
+                updates = msg.updates if isinstance(msg, protocol.RequestUpdates) else [msg]
+                final = next((u for u in updates if isinstance(u, protocol.RequestUpdate) and u.finished), None)
+            assert final.error, final
+            sock.close()
+            assert procs[1].poll() is None, procs[1].stderr.read()
+    finally:
+        stop(procs)
+        done.set()
+        thread.join()
+        fake.close(linger=0)

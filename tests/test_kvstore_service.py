@@ -185,13 +185,15 @@ def raw_call(endpoint: str, frames: list[bytes]):
     ([msgpack.packb({"v": 99, "t": "Ping", "b": {}})], 400),
     ([msgpack.packb({"v": protocol.VERSION, "t": "Launch", "b": {}})], 400),
     ([msgpack.packb({"v": protocol.VERSION, "t": "ApplyOps", "b": {"step": "x", "ops": []}})], 400),
-    (protocol.encode(protocol.ApplyOps(10**9, [["free", 12345]])), 400),       # unknown sequence
-    (protocol.encode(protocol.ApplyOps(10**9, [["explode", 1]])), 400),
+    (lambda step: protocol.encode(protocol.ApplyOps(step + 1, [["free", 12345]])), 400),   # unknown sequence
+    (lambda step: protocol.encode(protocol.ApplyOps(step + 1, [["explode", 1]])), 400),
+    (lambda step: protocol.encode(protocol.ApplyOps(step + 2, [])), 409),      # from the future: one was lost
+    (lambda step: protocol.encode(protocol.ApplyOps(step, [])), 409),          # from the past: applied already
     (protocol.encode(protocol.AbortRequest("r1")), 404),                       # not for the kvstore
 ])
 def test_malformed_messages_get_an_error_and_the_service_carries_on(kv, frames, code):
     before = kv.client.stats()
-    reply = raw_call(kv.endpoint, frames)
+    reply = raw_call(kv.endpoint, frames(kv.step) if callable(frames) else frames)
     assert isinstance(reply, protocol.Error) and reply.code == code
     assert kv.client.ping().role == "kvstore"
     assert kv.client.stats() == before

@@ -24,6 +24,8 @@ PEER = textwrap.dedent("""
             raise SystemExit(3)          # a peer that dies in the middle of a question
         if msg.sender == "answer":
             sock.send_multipart([ident, *protocol.encode(protocol.Pong("peer"))])
+        if msg.sender == "garbage":
+            sock.send_multipart([ident, b"\\xc1not msgpack"])
         # anything else: never answered
 """)
 
@@ -56,4 +58,15 @@ def test_peer_dying_mid_question_fails_at_once(peer):
     with pytest.raises(PeerTimeout, match="dropped the connection"):
         client.call(protocol.Ping("die"))
     assert time.monotonic() - start < 10, "waited for the deadline instead of noticing the drop"
+    client.close()
+
+
+def test_a_malformed_reply_is_bad_reply_and_the_next_call_pairs_up(peer):
+    """A peer that answers with garbage: BadReply (a PeerTimeout, so callers treat the peer as
+    broken, never a ProtocolError escaping their loop), and the socket is rebuilt."""
+    from services.rpc import BadReply
+    client = RpcClient(peer, timeout_s=5)
+    with pytest.raises(BadReply, match="malformed"):
+        client.call(protocol.Ping("garbage"))
+    assert isinstance(client.call(protocol.Ping("answer")), protocol.Pong)
     client.close()

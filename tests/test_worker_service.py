@@ -280,3 +280,26 @@ def test_step_inputs_need_histories_for_penalties():
     assert req.prompt_token_ids == [9, 9, 9] and req.output_token_ids == [5]
     with pytest.raises(StepError, match="new_params"):
         inputs.apply_deltas(protocol.ExecuteStep(2, [], new_params={"bad": {"temperature": -1}}))
+
+
+def test_step_inputs_refuse_ids_outside_the_pool_and_the_vocabulary():
+    """A negative block id would wrap around into another sequence's blocks; each of these is a
+    StepError (the step fails, the worker and its pool stay as they were)."""
+    from services.worker.step_inputs import StepError, StepInputs
+    inputs = StepInputs(num_blocks=8, vocab_size=100)
+    p = SamplingParams(temperature=0.0).to_dict()
+    inputs.apply_deltas(protocol.ExecuteStep(1, [], table_updates={1: [0, 2, 3]}, new_params={"k": p}))
+    for bad in ({1: [2, -1]}, {1: [2, 8]}, {2: [0, 1, 99]}):
+        with pytest.raises(StepError, match="block ids"):
+            inputs.apply_deltas(protocol.ExecuteStep(2, [], table_updates=bad))
+    assert inputs.tables == {1: [2, 3]}
+    for work, match in ((protocol.SeqWork(1, [5, 100], 0), "token ids"),
+                        (protocol.SeqWork(1, [-3], 0), "token ids"),
+                        (protocol.SeqWork(1, [5], -1), "start_pos"),
+                        (protocol.SeqWork(1, [5], 0, [[1, "k", 0, 0, 10**15]]), "counts"),
+                        (protocol.SeqWork(1, [5], 0, [[1, 7, 0, 0, 1]]), "key")):
+        with pytest.raises(StepError, match=match):
+            inputs.build(protocol.ExecuteStep(3, [work]))
+    with pytest.raises(StepError, match="history"):
+        inputs.build(protocol.ExecuteStep(3, [protocol.SeqWork(1, [5], 0, [[1, "k", 0, 0, 1]])],
+                                          histories={1: [[5], [100]]}))

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.router.admission import Admission, Ticket
 from services.guided.backends import make_backend
 from services.guided.cache import CompileCache
+from services.curve import SocketGuard
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.detokenizer import TokenTexts, fast_decoder
@@ -35,7 +36,8 @@ from services.router.errors import APIError, bad_request, error_body
 from services.router.guard import Guard
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.model_info import ModelInfo
-from services.router.openai_schema import validation_error
+from services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, openapi_body,
+                                           validation_error)
 from services.router.replicas import Backends
 from services.state import StateStore
 
@@ -69,6 +71,8 @@ class RouterContext:
         self.metrics = RouterMetrics(self.model_name)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
+        # CURVE keys for the scheduler sockets (services/curve.py); KeysError here, at start-up.
+        self.guard = SocketGuard.from_setting(config.curve_keys)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         self.grammar_cache = CompileCache(
@@ -80,7 +84,7 @@ class RouterContext:
     def start(self) -> None:
         self.zmq_ctx = zmq.asyncio.Context()
         self.backends = Backends(self.router_id, self.zmq_ctx, self.state, self.config.scheduler_endpoint,
-                                 self.config.ping_interval_s, self.config.scheduler_timeout_s)
+                                 self.config.ping_interval_s, self.config.scheduler_timeout_s, self.guard)
         self.backends.start()
 
     async def stop(self) -> None:
@@ -233,11 +237,11 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
             if not ticket.owned:   # no Generation started with it (a 4xx, a 503)
                 ticket.release()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         return await admitted(create_completion, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await admitted(create_chat_completion, request)
 

@@ -113,6 +113,25 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
 
 
+def openapi_body(model: type[BaseModel]) -> dict:
+    """The route's OpenAPI request body, for `openapi_extra`: the routes read the raw body
+    themselves (parse_body: 400s named by field, not FastAPI's 422s), so FastAPI cannot see it.
+    Nested models are inlined: the route's schema stands alone, with no components to register."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref[len("#/$defs/"):]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape."""
     try:

@@ -13,6 +13,7 @@ import struct
 
 import zmq.asyncio
 
+from services.curve import SocketGuard
 from services.router.errors import unavailable
 from services.router.scheduler_client import SchedulerClient
 from services.state import Replica, StateStore
@@ -45,8 +46,10 @@ class Backends:
     """The scheduler clients of one router, created on first use and kept."""
 
     def __init__(self, router_id: str, ctx: zmq.asyncio.Context, state: StateStore,
-                 fixed_endpoint: str | None, ping_interval_s: float = 1.0, dead_after_s: float = 10.0):
+                 fixed_endpoint: str | None, ping_interval_s: float = 1.0, dead_after_s: float = 10.0,
+                 guard: SocketGuard | None = None):
         self.router_id = router_id
+        self.guard = guard
         self.ctx = ctx
         self.state = state
         self.fixed_endpoint = fixed_endpoint
@@ -58,7 +61,8 @@ class Backends:
     def client(self, endpoint: str) -> SchedulerClient:
         c = self.clients.get(endpoint)
         if c is None:
-            c = SchedulerClient(endpoint, self.router_id, self.ctx, self.ping_interval_s, self.dead_after_s)
+            c = SchedulerClient(endpoint, self.router_id, self.ctx, self.ping_interval_s, self.dead_after_s,
+                                self.guard)
             c.start()
             self.clients[endpoint] = c
         return c

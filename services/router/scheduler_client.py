@@ -21,6 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services import protocol
+from services.curve import SocketGuard
 
 log = logging.getLogger("pagedserve.router")
 
@@ -100,8 +101,9 @@ class SchedulerUnavailable(RuntimeError):
 
 class SchedulerClient:
     def __init__(self, endpoint: str, identity: str, ctx: zmq.asyncio.Context,
-                 ping_interval_s: float = 1.0, dead_after_s: float = 10.0):
+                 ping_interval_s: float = 1.0, dead_after_s: float = 10.0, guard: SocketGuard | None = None):
         self.endpoint = endpoint
+        self.guard = guard or SocketGuard(None)   # CURVE keys when the scheduler is on a network
         self.identity = identity
         self.ctx = ctx
         self.ping_interval_s = ping_interval_s
@@ -126,7 +128,7 @@ class SchedulerClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RCVHWM, 0)    # every token and end the scheduler sends is kept (no drops)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self.endpoint)
+        self.guard.connect(sock, self.endpoint)
         self.sock = sock
         self._tasks = [asyncio.create_task(self._receive_loop(), name=f"recv {self.endpoint}"),
                        asyncio.create_task(self._heartbeat_loop(), name=f"ping {self.endpoint}"),

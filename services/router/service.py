@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from services import config_fields as cf
 from services.config_fields import positive
 from services.flags import add_flags, check_config, from_args, opt
+from services.curve import KeysError
 from services.router.options import RouterOptions
+from services.state import redact_url
 
 log = logging.getLogger("pagedserve.router")
 
@@ -42,6 +44,7 @@ class Config(RouterOptions):
     scheduler_timeout_s: float = opt(10.0, "seconds a scheduler may stay silent before in-flight requests get 503",
                                      flag="--scheduler-timeout", check=positive)
     log_level: str = cf.log_level()
+    curve_keys: str = cf.curve_keys("for the scheduler sockets")
     ping_interval_s: float = 1.0                        # set by code (tests), not by a flag
     ready_timeout_s: float = 1.0
     stats_timeout_s: float = 1.0
@@ -145,9 +148,12 @@ def run(config: Config) -> int:
     except ModelLoadError as e:
         print(f"router: {e}", file=sys.stderr)
         return 1
+    except KeysError as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 2
     except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
         if type(e).__module__.startswith("redis"):
-            print(f"router: cannot use Redis at {config.redis_url}: {e}", file=sys.stderr)
+            print(f"router: cannot use Redis at {redact_url(config.redis_url)}: {e}", file=sys.stderr)
             return 1
         raise
     server = server_cls(uvicorn.Config(app, host=config.host, port=config.port,

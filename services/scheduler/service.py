@@ -23,8 +23,10 @@ from services import config_fields as cf, protocol
 from services.config_fields import positive
 from services.flags import add_flags, check_config, from_args, opt
 from services.heartbeat import Heartbeat, HeartbeatWatch
+from services.curve import InsecureEndpoint, KeysError, SocketGuard
 from services.process import on_stop_signals, service_main
 from services.rpc import PeerTimeout, RpcClient
+from services.state import redact_url
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from services.scheduler.stepper import RouterView, WorkerView
@@ -61,6 +63,7 @@ class Config:
     worker_heartbeat_endpoint: str | None = cf.optional_endpoint("the worker's heartbeat, watched while a step runs")
     hang_timeout_s: float = cf.hang_timeout("seconds without a good heartbeat after which the worker counts as stuck")
     shutdown_timeout_s: float = cf.shutdown_timeout(0.0)
+    curve_keys: str = cf.curve_keys("required to listen on a non-loopback address")
 
     def cross_check(self) -> str | None:
         return cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
@@ -107,14 +110,17 @@ class SchedulerService:
 
         self.config = config
         _, spec = inspect_model_dir(config.model)
+        self.guard = SocketGuard.from_setting(config.curve_keys, log)
+        self.guard.check_listen(config.endpoint)   # before waiting for the peers: the operator's to fix
         self.ctx = zmq.Context()
         self.beat = (Heartbeat(config.heartbeat_endpoint, "scheduler", config.hang_timeout_s, self.ctx)
                      if config.heartbeat_endpoint else None)
         self.worker_watch = (HeartbeatWatch(config.worker_heartbeat_endpoint, config.hang_timeout_s, self.ctx)
                              if config.worker_heartbeat_endpoint else None)
-        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx, on_wait=self.tick)
+        self.kv = KVStoreClient(config.kvstore_endpoint, config.peer_timeout_s, self.ctx, on_wait=self.tick,
+                                guard=self.guard)
         self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx,
-                                on_wait=self._waiting_for_worker)
+                                on_wait=self._waiting_for_worker, guard=self.guard)
         self.draining = False
         info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
         # The kvstore may have served an earlier scheduler of this replica (a restart): start both
@@ -149,7 +155,7 @@ class SchedulerService:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted router may reuse its identity
-        self.sock.bind(config.endpoint)
+        self.guard.listen(self.sock, config.endpoint)
         self.state = self._register()
 
     def tick(self) -> None:
@@ -264,6 +270,8 @@ class SchedulerService:
                 reply = self.worker.receive()
                 if not isinstance(reply, protocol.StepResult) or reply.error:
                     raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
+                if reply.step != request.step:   # never a reply to another question: fail, do not apply
+                    raise RuntimeError(f"the worker answered step {request.step} with step {reply.step}")
                 results, worker_s, prompt_logprobs = reply.results, reply.elapsed, reply.prompt_logprobs
         finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
             t3 = time.perf_counter()
@@ -386,6 +394,7 @@ class SchedulerService:
             log.error("could not reset the kvstore: %s", e)
             return False
         self.mirror = self.core.store = self._new_mirror()
+        self.step_no = 0                   # a reset kvstore takes step 1 next (it applies them in order)
         self.workers_view.forget_all()     # the worker drops its tables and params with the next step
         self.broken = None
         log.warning("block stores reset: the scheduler's mirror and the kvstore start from empty")
@@ -437,12 +446,15 @@ def run(config: Config) -> int:
     on_stop_signals(stop)
     try:
         svc = SchedulerService(config)
+    except (InsecureEndpoint, KeysError) as e:
+        print(f"scheduler: {e}", file=sys.stderr)
+        return 2
     except zmq.ZMQError as e:
         print(f"scheduler: cannot bind {config.endpoint}: {e}", file=sys.stderr)
         return 1
     except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
         if type(e).__module__.startswith("redis"):
-            print(f"scheduler: cannot use Redis at {config.redis_url}: {e}", file=sys.stderr)
+            print(f"scheduler: cannot use Redis at {redact_url(config.redis_url)}: {e}", file=sys.stderr)
             return 1
         raise
     # Everything built so far lives as long as the process: keep the collector from rescanning it
@@ -482,6 +494,7 @@ def run(config: Config) -> int:
     # final messages in about one stop of three (seen on ipc://); a short pause first delivered
     # every one in repeated stops.
     time.sleep(0.2)
+    svc.guard.close()
     svc.ctx.destroy(linger=1000)
     return 0
 

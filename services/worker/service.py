@@ -46,6 +46,7 @@ from services import config_fields as cf, protocol
 from services.config_fields import at_least, positive
 from services.flags import add_flags, check_config, from_args, opt
 from services.heartbeat import Heartbeat
+from services.curve import InsecureEndpoint, KeysError, SocketGuard
 from services.process import answer_requests, on_stop_signals, service_main
 from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from services.worker.model_runner import ModelRunner, SeqStep
@@ -100,6 +101,7 @@ class Config:
                                                           "the scheduler watch it)")
     hang_timeout_s: float = cf.hang_timeout("seconds without progress after which the heartbeat reports this "
                                             "worker stuck")
+    curve_keys: str = cf.curve_keys("required to listen on a non-loopback address")
 
     def cross_check(self) -> str | None:
         if not self.rank < self.tp_size:
@@ -132,7 +134,7 @@ class WorkerService:
                  tp: TensorParallel = SINGLE, sync=None):
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
         self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
-        self.inputs = StepInputs()
+        self.inputs = StepInputs(pool.num_blocks, runner.spec.vocab_size)   # ids checked against both
         self.guides = core.guides if core is not None else None
         self.steps_run = 0
         self.last_broadcast = time.monotonic()
@@ -236,9 +238,14 @@ class WorkerService:
 POOL_WAIT_S = 300.0   # for a kvstore that sizes its pools: every rank loads and profiles first
 
 
+def _kvstore_client(config: Config) -> KVStoreClient:
+    return KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s,
+                         guard=SocketGuard.from_setting(config.curve_keys, log))
+
+
 def fetch_pool_info(config: Config) -> protocol.PoolInfo | None:
     """The kvstore's PoolInfo, or None when it waits for memory reports before making its pools."""
-    client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
+    client = _kvstore_client(config)
     try:
         return check_pool_info(client.pool_info(), config)
     except PeerTimeout:
@@ -255,7 +262,7 @@ def fetch_pool_info(config: Config) -> protocol.PoolInfo | None:
 def report_and_wait(config: Config, reserve_bytes: int, wait_s: float = POOL_WAIT_S) -> protocol.PoolInfo:
     """Send this rank's profile, then ask for PoolInfo until the kvstore has made the pools (it
     waits for every rank, then allocates and warms up: silent for a few seconds)."""
-    client = KVStoreClient(config.kvstore_endpoint, timeout_s=config.kvstore_timeout_s)
+    client = _kvstore_client(config)
     deadline = time.monotonic() + wait_s
     try:
         client.report_memory(config.rank, reserve_bytes)
@@ -377,9 +384,14 @@ def run(config: Config) -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     service = beat = None
+    guard = SocketGuard(None, log)
     try:
+        try:
+            guard = SocketGuard.from_setting(config.curve_keys, log)
+        except KeysError as e:
+            raise StartupError(str(e)) from None
         if config.rank == 0:
-            _bind(sock, config.endpoint)   # first: a busy port fails before the slow model load
+            _bind(guard, sock, config.endpoint)   # first: a busy port fails before the slow model load
         service = start_worker(config)
         log.info("rank %d/%d ready: %s on %s, pool %s", config.rank, config.tp_size, config.model,
                  config.torch_device, service.pool.name)
@@ -399,6 +411,7 @@ def run(config: Config) -> int:
         if service is not None:
             service.close()
             close_tensor_parallel(service.tp)
+        guard.close()
         sock.close()
         ctx.term()
         restore()
@@ -440,9 +453,11 @@ def _follow(service: WorkerService, stop: threading.Event) -> int:
     return 0
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> None:
+def _bind(guard: SocketGuard, sock: zmq.Socket, endpoint: str) -> None:
     try:
-        sock.bind(endpoint)
+        guard.listen(sock, endpoint)
+    except (InsecureEndpoint, KeysError) as e:
+        raise StartupError(str(e)) from None
     except zmq.ZMQError as e:
         raise StartupError(f"cannot bind {endpoint}: {e}") from None
 

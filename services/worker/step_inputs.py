@@ -5,6 +5,11 @@ sampling params once per request. StepInputs owns the resulting per-sequence blo
 constructed SamplingParams objects, and builds the SeqStep / SampleRequest lists of one step.
 Every tensor-parallel rank keeps its own copy and applies the same deltas, so every rank builds the
 same step (and fails the same way, before any collective, on a bad one).
+
+Every id that becomes an index is checked against what this worker has: a block id outside the
+pool (a negative one would wrap around and write another sequence's blocks; on a GPU any of them is
+an illegal memory access), a token id outside the vocabulary, a negative position, a sample whose
+output count would allocate without bound. Such a step is a StepError, never a corrupted pool.
 """
 from __future__ import annotations
 
@@ -18,10 +23,14 @@ class StepError(ValueError):
     """The step refers to something this worker does not have (an unknown table, params key, ...)."""
 
 
+MAX_OUTPUT_TOKENS = 1 << 24   # a sample's num_output_tokens beyond any context
+
+
 class StepInputs:
-    def __init__(self):
+    def __init__(self, num_blocks: int | None = None, vocab_size: int | None = None):
         self.tables: dict[int, list[int]] = {}          # seq_id -> physical block ids
         self.params: dict[str, SamplingParams] = {}     # params_key -> constructed params
+        self.num_blocks, self.vocab_size = num_blocks, vocab_size   # None: not checked (unit tests)
 
     def apply_deltas(self, msg: ExecuteStep) -> dict[str, SamplingParams]:
         """Freed tables first, then table updates (a seq freed and re-admitted in one step gets its
@@ -32,6 +41,8 @@ class StepInputs:
                     or not all(type(b) is int for b in update):
                 raise StepError(f"table_updates[{seq_id!r}] must be [start, *block ids]")
             start, blocks = update[0], update[1:]
+            if blocks and self.num_blocks is not None and not 0 <= min(blocks) <= max(blocks) < self.num_blocks:
+                raise StepError(f"table_updates[{seq_id}]: block ids must be in [0, {self.num_blocks})")
             have = 0 if seq_id in msg.freed else len(self.tables.get(seq_id, ()))
             if not 0 <= start <= have:
                 raise StepError(f"table_updates[{seq_id}] starts at {start}, the table has {have} blocks")
@@ -65,6 +76,9 @@ class StepInputs:
                 raise StepError(f"seq {work.seq_id} has no block table on this worker")
             if not work.token_ids:
                 raise StepError(f"seq {work.seq_id} has no tokens to compute")
+            if not self._tokens_ok(work.token_ids) or work.start_pos < 0:
+                raise StepError(f"seq {work.seq_id}: token ids must be in [0, {self.vocab_size}) and "
+                                f"start_pos >= 0")
             step = SeqStep(work.seq_id, work.token_ids, work.start_pos, table)
             wanted = msg.prompt_logprobs.get(work.seq_id) if msg.prompt_logprobs else None
             if wanted is not None:
@@ -82,11 +96,18 @@ class StepInputs:
             raise StepError(f"seq {work_seq_id}: a sample must be [seq_id, params_key, seq_index, "
                             f"beam_candidates, num_output_tokens], got {sample!r}")
         seq_id, key, seq_index, beam_candidates, num_output = sample
+        if not all(type(v) is int and v >= 0 for v in (seq_index, beam_candidates, num_output)) \
+                or num_output > MAX_OUTPUT_TOKENS or not isinstance(key, str):
+            raise StepError(f"seq {work_seq_id}: a sample's key must be a string and its indices and "
+                            f"counts ints in [0, {MAX_OUTPUT_TOKENS}], got {sample!r}")
         params = self.params.get(key)
         if params is None:
             raise StepError(f"seq {seq_id}: unknown params key {key!r} (its new_params never arrived)")
         history = histories.get(seq_id, histories.get(work_seq_id))
         if history is not None:
+            if not (isinstance(history, list) and len(history) == 2
+                    and all(isinstance(h, list) and self._tokens_ok(h) for h in history)):
+                raise StepError(f"seq {seq_id}: a history must be [prompt ids, output ids] of token ids")
             prompt_ids, output_ids = history
         elif params.uses_penalties:
             raise StepError(f"seq {seq_id}: its params use penalties but the step carries no history")
@@ -97,4 +118,9 @@ class StepInputs:
             prompt_ids, output_ids = [], [0] * num_output
         return SampleRequest(seq_id, params, prompt_ids, output_ids, seq_index, beam_candidates, key,
                              history is not None)
+
+    def _tokens_ok(self, ids: list) -> bool:
+        if not all(type(t) is int for t in ids):
+            return False
+        return not ids or self.vocab_size is None or 0 <= min(ids) <= max(ids) < self.vocab_size
 
