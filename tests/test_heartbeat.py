@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import types
+
 import torch
 
 from services.heartbeat import Heartbeat, HeartbeatWatch
@@ -58,9 +60,10 @@ def test_a_step_ticks_once_per_decoder_layer(tiny_llama):
     class Runner:   # only what tick_per_layer reads
         pass
     runner = Runner()
-    runner.model = model
+    runner.model, runner.spec = model, spec
     ticks = []
-    WorkerService(runner, None, None).tick_per_layer(lambda: ticks.append(1))
+    pool = types.SimpleNamespace(num_blocks=1)   # the service checks block ids against its size
+    WorkerService(runner, None, pool).tick_per_layer(lambda: ticks.append(1))
     hidden = torch.zeros(1, 1)
     for layer in next(m for n, m in model.named_modules() if n.endswith("layers")):
         try:
