@@ -18,7 +18,7 @@ from services.router.detokenizer import without_cut_character
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.sampling_params import SamplingParams
-from services.worker.model_loader import (inspect_model_dir, load_model, load_tokenizer,
+from services.worker.model_loader import (context_length, inspect_model_dir, load_model, load_tokenizer,
                                           serving_dtype)
 from services.worker.model_runner import ModelRunner
 from services.worker.guides import Guides
@@ -66,7 +66,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.dtype = serving_dtype(config.dtype, config.device, spec)
         self.model, self.spec = load_model(config.model, self.dtype, config.device)
-        self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        self.max_model_len = context_length(config.max_model_len, spec)
         block_bytes = spec.block_bytes(config.block_size, self.dtype)
         num_device, num_host = config.device_blocks(block_bytes), config.host_blocks(block_bytes)
         if num_device < 1:

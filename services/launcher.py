@@ -116,9 +116,10 @@ def resolve_model(model: str) -> str:
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
-    from services.worker.model_loader import inspect_model_dir, serving_dtype
+    from services.worker.model_loader import context_length, inspect_model_dir, serving_dtype
 
     _, spec = inspect_model_dir(model)
+    context_length(cfg.max_model_len, spec)              # refused here, before anything starts
     dtype = serving_dtype(cfg.dtype, cfg.device, spec)   # resolved once: kvstore and workers agree
     block_bytes = spec.block_bytes(cfg.block_size, dtype, cfg.tensor_parallel)
     gib = 1 << 30

@@ -90,6 +90,7 @@ def test_api_keys_from_the_environment(monkeypatch):
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["m1", "--model", "m2"], "the model is given twice"),
     (["--port", "70000"], "--port"),
+    (["--max-queued-requests", "0"], "--max-queued-requests"),
     (["--api-key", ""], "--api-key"),                 # was dropped: a server without auth
     (["--api-key", "k1", "--api-key", " "], "--api-key"),
     (["--rate-limit-window", "inf"], "--rate-limit-window"),   # was a 500 at the first 429
@@ -171,3 +172,12 @@ def test_each_process_refuses_a_bad_flag_in_one_line():
         r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (module, r.stderr)
+
+
+def test_a_context_longer_than_the_models_is_refused_before_anything_starts(tiny_llama):
+    """vLLM refuses it; cutting it quietly would serve a context the operator did not ask for."""
+    from router_fakes import free_port
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", tiny_llama, "--max-model-len", "999999",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--max-model-len 999999" in lines[0], r.stderr

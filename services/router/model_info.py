@@ -33,13 +33,13 @@ def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelIn
     """Raises services.worker.model_loader.ModelLoadError for a folder that cannot be served."""
     from transformers import AutoTokenizer
 
-    from services.worker.model_loader import ModelLoadError, inspect_model_dir
+    from services.worker.model_loader import ModelLoadError, context_length, inspect_model_dir
 
     _, spec = inspect_model_dir(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # missing or invalid tokenizer files raise several types
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from None
-    limit = min(max_model_len or spec.max_model_len, spec.max_model_len)
+    limit = context_length(max_model_len, spec)
     longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
     return ModelInfo(str(model_dir), tokenizer, limit, tuple(spec.eos_token_ids), spec.vocab_size, longest)

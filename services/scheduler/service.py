@@ -106,7 +106,7 @@ LEASE_S = 5.0   # the replica's lease in the shared state, renewed every heartbe
 
 class SchedulerService:
     def __init__(self, config: Config):
-        from services.worker.model_loader import inspect_model_dir
+        from services.worker.model_loader import context_length, inspect_model_dir
 
         self.config = config
         _, spec = inspect_model_dir(config.model)
@@ -133,7 +133,7 @@ class SchedulerService:
                        self.worker.endpoint)
         self.pool_info = info
         self.mirror = self._new_mirror()
-        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        max_len = context_length(config.max_model_len, spec)
         self.core = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                               config.preemption_mode, eos_token_ids=spec.eos_token_ids,
                                               vocab_size=spec.vocab_size, batching=config.batching),

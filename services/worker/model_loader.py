@@ -21,6 +21,15 @@ class ModelLoadError(Exception):
     """The folder cannot be served: missing files, unsupported architecture, bad weights."""
 
 
+def context_length(asked: int | None, spec) -> int:
+    """--max-model-len as served: the model's own when not given; above the model's, refused (as
+    vLLM does) rather than quietly cut: positions past it were never trained."""
+    if asked is not None and asked > spec.max_model_len:
+        raise ModelLoadError(f"--max-model-len {asked} is above the model's context length "
+                             f"({spec.max_model_len}, max_position_embeddings in config.json)")
+    return asked or spec.max_model_len
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the rest of the system needs to know about a model, without its weights."""
