@@ -131,6 +131,7 @@ class SocketGuard:
         self.log = logger or log
         self._auth: dict[int, ThreadAuthenticator] = {}
         self._monitors: list[tuple[zmq.Socket, threading.Thread]] = []
+        self._stop = threading.Event()       # tells the monitor threads to end (close)
 
     @classmethod
     def from_setting(cls, folder: str | None, logger: logging.Logger | None = None) -> "SocketGuard":
@@ -170,13 +171,19 @@ class SocketGuard:
         sock.connect(endpoint)
 
     def close(self) -> None:
+        """Before the context goes: a monitor thread still inside recv when the context is
+        destroyed aborts the process in libzmq (signaler.cpp: pfd.revents & POLLIN, seen at a
+        scheduler's stop under load, when a 2 s join had timed out). Each thread polls in short
+        slices and sees the stop flag, so the join always ends, and ends before any destroy."""
+        self._stop.set()
         for sock, thread in self._monitors:
             try:
-                sock.disable_monitor()   # the monitor thread sees MONITOR_STOPPED and ends
+                sock.disable_monitor()
             except zmq.ZMQError:
                 pass                     # the socket is closed already
-            thread.join(timeout=2)
+            thread.join()
         self._monitors = []
+        self._stop = threading.Event()       # sockets watched after this get threads of their own
         for auth in self._auth.values():
             auth.stop()
         self._auth = {}
@@ -195,15 +202,17 @@ class SocketGuard:
         events = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         monitor = sock.get_monitor_socket(events)
-        thread = threading.Thread(target=_log_events, args=(monitor, endpoint, self.log),
+        thread = threading.Thread(target=_log_events, args=(monitor, endpoint, self.log, self._stop),
                                   name=f"monitor {endpoint}", daemon=True)
         thread.start()
         self._monitors.append((sock, thread))
 
 
-def _log_events(monitor: zmq.Socket, endpoint: str, logger: logging.Logger) -> None:
+def _log_events(monitor: zmq.Socket, endpoint: str, logger: logging.Logger, stop: threading.Event) -> None:
     try:
-        while True:
+        while not stop.is_set():
+            if not monitor.poll(100):
+                continue
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_MONITOR_STOPPED:
                 break
