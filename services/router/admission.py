@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import time
 
-from services.router.errors import APIError
-
-RETRY_AFTER_S = 1
+from services.router.errors import APIError, unavailable
 
 
 class Admission:
@@ -22,11 +20,9 @@ class Admission:
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.requests = 0
         self.tokens = 0
-        self.refused = 0
 
     def enter(self) -> "Ticket":
         if self.max_requests is not None and self.requests >= self.max_requests:
-            self.refused += 1
             raise full(f"the server holds {self.requests} requests that have not started "
                        f"(--max-queued-requests {self.max_requests}); retry later")
         self.requests += 1
@@ -49,7 +45,6 @@ class Ticket:
             # A prompt larger than the whole limit still runs when nothing else waits: the
             # context length, not this limit, bounds one request.
             self.release()
-            a.refused += 1
             raise full(f"the server holds {a.tokens} prompt tokens that have not started; {tokens} more "
                        f"would pass --max-queued-tokens {a.max_tokens}; retry later")
         self.tokens += tokens
@@ -63,4 +58,4 @@ class Ticket:
 
 
 def full(message: str) -> APIError:
-    return APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return unavailable(message)          # a 503 says Retry-After: 1 (services.router.errors)
