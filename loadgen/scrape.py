@@ -18,7 +18,7 @@ SERIES = {
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "running": ("vllm:num_requests_running",),
     "waiting": ("vllm:num_requests_waiting",),
-    "swapped": ("vllm:num_requests_swapped",),
+    "swapped": ("pagedserve:num_requests_swapped", "vllm:num_requests_swapped"),
     "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
     "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"),
     "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"),

@@ -30,10 +30,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
-VERSION = 5   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+VERSION = 6   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
 #             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
 #             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
 #             5: sampling params carry structured_outputs (AddRequest, ExecuteStep.new_params)
+#             6: RequestUpdate's final phases (queued_s, ..., num_preemptions), GetStats.router_id,
+#                Pong.sender names the scheduler's replica
 
 
 class ProtocolError(ValueError):
@@ -99,6 +101,15 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     # Once, when asked for: an entry [logprob, rank, [[id, logprob], ...]] per prompt token after the first.
     prompt_logprobs: list | None = None
+    # On the final update only: the request's phases in seconds on the engine's clock, as vLLM's
+    # per-request histograms take them (queued: arrival to first scheduled; prefill: to the first
+    # token; decode: first to last token; inference: scheduled to last token; a preemption stays
+    # inside the phase it interrupted).
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    inference_s: float = 0.0
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -122,7 +133,9 @@ class RequestUpdates:
 
 @dataclass
 class GetStats:
-    pass
+    # A router asking for its /metrics: a candidate to export the engine's own series
+    # (services/scheduler/exporter.py). Empty for anyone else (tools, the kvstore's callers).
+    router_id: str = ""
 
 
 @dataclass

@@ -99,9 +99,10 @@ class FakeScheduler(threading.Thread):
 
     def _handle(self, who: bytes, msg) -> None:
         if isinstance(msg, protocol.Ping):
-            self._send(who, protocol.Pong("scheduler", time.time(), "scheduler", self.ready))
+            self._send(who, protocol.Pong("replica-0", time.time(), "scheduler", self.ready))
         elif isinstance(msg, protocol.GetStats):
-            self._send(who, protocol.StatsReply(dict(self.stats, ready=self.ready)))
+            self._send(who, protocol.StatsReply(dict(self.stats, ready=self.ready, engine="replica-0",
+                                                          exporter=bool(msg.router_id))))
         elif isinstance(msg, protocol.AddRequest):
             if self.reject_with is not None:
                 self._send(who, protocol.Error(self.reject_with.message, self.reject_with.code,

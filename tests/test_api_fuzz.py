@@ -45,7 +45,7 @@ def engine_load(url: str) -> dict:
     metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     queued = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting",
-                                     "vllm:num_requests_swapped")))
+                                     "pagedserve:num_requests_swapped")))
     return {"device_blocks_used": kv["device_blocks_used"], "host_blocks_used": kv.get("host_blocks_used", 0),
             "queued": queued}
 

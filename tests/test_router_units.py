@@ -182,9 +182,8 @@ def test_updates_that_queued_up_come_out_as_one_batch_and_a_failure_after_them(t
     from services.router.generation import Generation
     from services.router.scheduler_client import Failure
     from services.sampling_params import SamplingParams
-    ctx = SimpleNamespace(info=SimpleNamespace(eos_token_ids=[]), decode=tokenizer.decode,
-                          metrics=SimpleNamespace(ttft=SimpleNamespace(observe=lambda s: None),
-                                                  itl=SimpleNamespace(observe=lambda s: None)))
+    from services.router.metrics import RouterMetrics
+    ctx = SimpleNamespace(info=SimpleNamespace(eos_token_ids=[]), decode=tokenizer.decode, metrics=RouterMetrics("m"))
     gen = Generation(ctx, "a", [[5, 6]], SamplingParams(max_tokens=8))
     gen.abort = gen.close = lambda *a: None        # no backend: nothing to abort or record
     ids = tokenizer.encode("one two three", add_special_tokens=False)

@@ -170,6 +170,71 @@ def test_metrics_and_kv(stack):
     assert kv["device_blocks_total"] == 256
 
 
+# vLLM 0.32's default buckets (vllm/v1/metrics/buckets.py), by the families that use them.
+VLLM_BUCKETS = {
+    "vllm:time_to_first_token_seconds": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+    "vllm:inter_token_latency_seconds": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+    "vllm:e2e_request_latency_seconds": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                                         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+    "vllm:iteration_tokens_total": (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+    "vllm:request_params_n": (1, 2, 5, 10, 20),
+    "vllm:request_num_preemptions": (1, 2, 3, 4, 5, 10, 20),
+}
+for _name in ("queue", "inference", "prefill", "decode"):
+    VLLM_BUCKETS[f"vllm:request_{_name}_time_seconds"] = VLLM_BUCKETS["vllm:e2e_request_latency_seconds"]
+VLLM_BUCKETS["vllm:request_time_per_output_token_seconds"] = VLLM_BUCKETS["vllm:inter_token_latency_seconds"]
+
+
+def vllm_families() -> list[tuple[str, str, set[str], str]]:
+    rows = []
+    for line in (Path(__file__).parent / "data" / "vllm_metrics_0.32.tsv").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, kind, labels, ours = line.split("\t")
+            rows.append((name, kind, set(labels.split(",")), ours))
+    return rows
+
+
+def scrape(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+
+def test_metric_families_are_vllms(stack, tiny_llama):
+    """Every vLLM family we should have, with its type, labels and buckets, across the routers;
+    the engine's own series come from exactly one router (a sum over routers counts them once)."""
+    for url in stack.urls:
+        client(url).completions.create(model=tiny_llama, prompt=PROMPTS[0], max_tokens=4, n=2)
+    scrapes = [scrape(url) for url in stack.urls]
+    for name, kind, labels, ours in vllm_families():
+        found = [f[name] for f in scrapes if name in f and f[name].samples]
+        if not ours.startswith("required"):
+            continue
+        assert found, f"{name} is missing"
+        for family in found:
+            assert family.type == kind, (name, family.type, kind)
+            names = {k for s in family.samples for k in s.labels} - {"le"}
+            if name == "vllm:cache_config_info":
+                assert labels <= names, (name, names)
+            else:
+                assert names == labels, (name, names, labels)
+            if name in VLLM_BUCKETS:
+                bounds = sorted({float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")})
+                assert bounds == [float(b) for b in VLLM_BUCKETS[name]] + [float("inf")], name
+    # The engine's gauges: once per engine across the routers; what each router saw: on each.
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:iteration_tokens_total",
+                 "vllm:num_preemptions"):
+        exporters = {}   # engine -> the routers that export its series
+        for i, f in enumerate(scrapes):
+            for s in f[name].samples:
+                exporters.setdefault(s.labels["engine"], set()).add(i)
+        assert exporters and all(len(routers) == 1 for routers in exporters.values()), (name, exporters)
+    for f in scrapes:
+        assert sum(s.value for s in f["vllm:request_params_n"].samples if s.name.endswith("_count")) >= 1
+
+
 def test_orca_stack_reserves_true_lengths_and_reports_the_kv_split(tiny_llama):
     """--allocation orca-oracle through the processes: a request without true_output_len is a 400,
     one with it is served; /v1/kv and /metrics carry the Fig. 2 split."""
@@ -184,7 +249,7 @@ def test_orca_stack_reserves_true_lengths_and_reports_the_kv_split(tiny_llama):
         split = get_json(s.url + "/v1/kv")["kv_breakdown"]
         assert sum(split["cache"].values()) == pytest.approx(1.0) and split["cache"]["token_states"] > 0
         with urllib.request.urlopen(s.url + "/metrics", timeout=30) as m:
-            assert 'pagedserve:kv_breakdown{model_name=' in m.read().decode()
+            assert 'pagedserve:kv_breakdown{' in m.read().decode()
     finally:
         assert s.stop() == 0
 

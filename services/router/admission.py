@@ -11,18 +11,22 @@ Owns only its two counters; the Generation that runs a request releases its tick
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from services.router.errors import APIError, unavailable
 
 
 class Admission:
-    def __init__(self, max_requests: int | None, max_tokens: int | None):
+    def __init__(self, max_requests: int | None, max_tokens: int | None,
+                 on_reject: Callable[[str], None] = lambda reason: None):
         self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.on_reject = on_reject      # vLLM's admission_rejections reasons: max_num_queued_reqs / _tokens
         self.requests = 0
         self.tokens = 0
 
     def enter(self) -> "Ticket":
         if self.max_requests is not None and self.requests >= self.max_requests:
+            self.on_reject("max_num_queued_reqs")
             raise full(f"the server holds {self.requests} requests that have not started "
                        f"(--max-queued-requests {self.max_requests}); retry later")
         self.requests += 1
@@ -45,6 +49,7 @@ class Ticket:
             # A prompt larger than the whole limit still runs when nothing else waits: the
             # context length, not this limit, bounds one request.
             self.release()
+            a.on_reject("max_num_queued_tokens")
             raise full(f"the server holds {a.tokens} prompt tokens that have not started; {tokens} more "
                        f"would pass --max-queued-tokens {a.max_tokens}; retry later")
         self.tokens += tokens

@@ -68,13 +68,14 @@ class RouterContext:
         self.max_batch_prompts = 64
         self.decode = fast_decoder(info.tokenizer)
         self.token_texts = TokenTexts(self.decode, info.tokenizer)
-        self.metrics = RouterMetrics(self.model_name)
+        self.metrics = RouterMetrics(self.model_name, info.max_model_len)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
         # CURVE keys for the scheduler sockets (services/curve.py); KeysError here, at start-up.
         self.guard = SocketGuard.from_setting(config.curve_keys)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
+                                   on_reject=self.metrics.admission_rejected)
         self.grammar_cache = CompileCache(
             lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
             config.grammar_cache_size)

@@ -16,6 +16,7 @@ from services import protocol
 from services.router.choices import ChoiceEvent, ChoiceState
 from services.router.detokenizer import IncrementalDetokenizer
 from services.router.errors import APIError
+from services.router.metrics import FinishedRequest
 from services.router.scheduler_client import Buffered, Failure, SchedulerUnavailable
 from services.router.stop_strings import StopStrings
 from services.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class Generation:
         self.aborted = False
         self.closed = False
         self.num_cached_tokens = 0
+        self.finals: dict[int, protocol.RequestUpdate] = {}   # per prompt: the engine's final update
+        self._seen = None                    # the metrics children of the engine serving it
         self.prompt_logprobs: list[list | None] = [None] * len(prompts)   # per prompt, when asked for
         self.timer: asyncio.TimerHandle | None = None
 
@@ -189,11 +192,12 @@ class Generation:
         if new_tokens and not merged:
             if self.first_token_at is None:
                 self.first_token_at = now
-                self.ctx.metrics.ttft.observe(now - self.arrival)
+                self.seen.ttft.observe(now - self.arrival)
             elif self.last_token_at is not None:
-                self.ctx.metrics.itl.observe((now - self.last_token_at) / new_tokens)
+                self.seen.itl.observe((now - self.last_token_at) / new_tokens)
             self.last_token_at = now
         if update.finished:
+            self.finals[p] = update
             self.done.add(p)
             events.extend(c.finish("abort") for c in choices if not c.finished)
         elif all(c.finished for c in choices):
@@ -206,12 +210,33 @@ class Generation:
         """TTFT and inter-token latency of tokens that arrived merged, as if applied one by one."""
         if self.first_token_at is None:
             self.first_token_at = first_at
-            self.ctx.metrics.ttft.observe(first_at - self.arrival)
+            self.seen.ttft.observe(first_at - self.arrival)
         if num_tokens > 1:
             itl = (last_at - first_at) / (num_tokens - 1)
             for _ in range(num_tokens - 1):
-                self.ctx.metrics.itl.observe(itl)
+                self.seen.itl.observe(itl)
         self.last_token_at = last_at
+
+    @property
+    def seen(self):
+        """This request's metrics children, labelled with the engine that serves it."""
+        if self._seen is None:
+            self._seen = self.ctx.metrics.seen(self.client.engine if self.client is not None else "")
+        return self._seen
+
+    def _record_finished(self) -> None:
+        """vLLM's per-request series, once per engine request (prompt), as the engine reported it."""
+        now = time.monotonic()
+        engine = self.client.engine if self.client is not None else ""
+        for p, (ids, choices) in enumerate(zip(self.prompts, self.choices)):
+            final = self.finals.get(p)
+            phases = {} if final is None else {
+                "queued_s": final.queued_s, "prefill_s": final.prefill_s, "decode_s": final.decode_s,
+                "inference_s": final.inference_s, "num_preemptions": final.num_preemptions}
+            self.ctx.metrics.finished(FinishedRequest(
+                engine, [c.finish_reason or "abort" for c in choices], len(ids),
+                final.num_cached_tokens if final is not None else 0, [len(c.token_ids) for c in choices],
+                self.params.n, self.params.max_tokens, now - self.arrival, **phases))
 
     def _fail(self, error: APIError) -> APIError:
         self.abort()
@@ -259,15 +284,7 @@ class Generation:
             status = "finished"
         generated = sum(len(c.token_ids) for c in self.all_choices)
         if error is None:
-            m = ctx.metrics
-            m.e2e.observe(time.monotonic() - self.arrival)
-            m.prompt_tokens.inc(self.num_prompt_tokens)
-            m.generation_tokens.inc(generated)
-            m.success(reasons[0] if reasons else "abort")
-            if self.first_token_at is not None and self.last_token_at is not None and generated > len(reasons):
-                per_choice = max(len(c.token_ids) for c in self.all_choices)
-                if per_choice > 1:
-                    m.tpot.observe((self.last_token_at - self.first_token_at) / (per_choice - 1))
+            self._record_finished()
         try:
             ctx.state.update_request_status(self.request_id, status, finish_reasons=reasons,
                                             num_prompt_tokens=self.num_prompt_tokens,

@@ -1,113 +1,297 @@
-"""Prometheus metrics of one router, under vLLM's names where vLLM has one.
+"""Prometheus metrics of one router, under vLLM's names, types, labels and buckets (vLLM 0.32).
 
-Request-level series (latencies, token counts, outcomes) are measured here. Engine gauges and
-counters (queue lengths, KV usage, preemptions, prefix-cache queries/hits) are the scheduler's: the
-/metrics handler fetches StatsReply at scrape time and this module renders it, summed over the
-replicas this router uses (KV usage is averaged).
+Two kinds of series, so that Prometheus may sum over several routers without counting twice:
+- What this router saw: its requests' latencies, tokens, phases and outcomes, labelled
+  `model_name` and `engine` (the replica that served the request). Every router exports its own.
+- The engine's own state and counters (queue lengths, KV usage, preemptions, prefix-cache
+  queries and hits, tokens per step, cache config): fetched from each scheduler at scrape time
+  (StatsReply) and rendered only by the router that scheduler names its exporter
+  (services/scheduler/exporter.py), so each engine's series appear once across all routers.
+Ours, where vLLM has none, are under `pagedserve:`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# vLLM's buckets.
+# vLLM's buckets (vllm/v1/metrics/buckets.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-# (StatsReply key, metric name, help, kind); counters get "_total" in the exposition.
-ENGINE_SERIES = (
-    ("num_requests_running", "vllm:num_requests_running", "Requests running on the engine.", "gauge"),
-    ("num_requests_waiting", "vllm:num_requests_waiting", "Requests waiting to be scheduled.", "gauge"),
-    ("num_requests_swapped", "vllm:num_requests_swapped", "Requests swapped out to host memory.", "gauge"),
-    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).", "gauge"),
-    ("num_preemptions", "vllm:num_preemptions", "Preemptions since the engine started.", "counter"),
-    ("prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
-    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
-)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")   # vLLM's FinishReason, as str()
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 
-def aggregate(stats: list[dict]) -> dict:
-    """Several replicas' StatsReply -> one: counts summed, KV usage averaged."""
-    out: dict = {}
-    for key, _, _, _ in ENGINE_SERIES:
-        values = [float(s.get(key, 0) or 0) for s in stats]
-        out[key] = (sum(values) / len(values) if values else 0.0) if key == "kv_cache_usage_perc" else sum(values)
-    # The Fig. 2 split of the KV cache (time-averaged shares, 0-1), averaged over the replicas.
-    splits = [s["kv"]["kv_breakdown"] for s in stats if "kv_breakdown" in s.get("kv", {})]
-    out["kv_breakdown"] = {of: {part: sum(b[of][part] for b in splits) / len(splits) for part in splits[0][of]}
-                           for of in ("cache", "allocated")} if splits else {}
-    return out
+def request_tokens_buckets(max_model_len: int) -> list[int]:
+    """vLLM's 1-2-5 series up to the context length."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
-class _EngineCollector:
-    """Renders the last fetched engine stats; set `stats` right before generating the exposition."""
+@dataclass
+class FinishedRequest:
+    """One engine request (one prompt of an HTTP request, all its choices) at its end."""
+    engine: str
+    finish_reasons: list[str]         # per choice
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    generation_tokens: list[int]      # per choice
+    n: int
+    max_tokens: int | None
+    e2e_s: float
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    inference_s: float = 0.0
+    num_preemptions: int = 0
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.stats: dict | None = None
-        self.replicas_up = 0
 
-    def collect(self):
-        up = GaugeMetricFamily("pagedserve:engine_replicas_up", "Engine replicas that answered GetStats.",
-                               labels=["model_name"])
-        up.add_metric([self.model_name], self.replicas_up)
-        yield up
-        if self.stats is None:
-            return
-        for key, name, doc, kind in ENGINE_SERIES:
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(self.stats.get(key, 0) or 0))
-            yield family
-        split = self.stats.get("kv_breakdown")
-        if split:
-            family = GaugeMetricFamily("pagedserve:kv_breakdown", "Time-averaged share of the KV cache "
-                                       "(of=cache) or of its allocated slots (of=allocated) per part, "
-                                       "as the PagedAttention paper's Fig. 2 (0-1).",
-                                       labels=["model_name", "of", "part"])
-            for of, parts in split.items():
-                for part, share in parts.items():
-                    family.add_metric([self.model_name, of, part], float(share))
-            yield family
+class _Seen:
+    """The request-level families, with the children of one engine label bound once (a labels()
+    lookup per token would cost more than the observation)."""
+
+    def __init__(self, families: dict, model_name: str, engine: str):
+        self.child = {name: family.labels(model_name, engine) for name, family in families.items()
+                      if name not in ("success", "prompt_by_source", "cached_by_source")}
+        self.success = {r: families["success"].labels(model_name, engine, r) for r in FINISH_REASONS}
+        self.prompt_by_source = {s: families["prompt_by_source"].labels(model_name, engine, s)
+                                 for s in PROMPT_SOURCES}
+        self.cached_by_source = {s: families["cached_by_source"].labels(model_name, engine, s)
+                                 for s in CACHE_SOURCES}
+        self.ttft, self.itl = self.child["ttft"], self.child["itl"]
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 2048):
         self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=False)
-        labels = ["model_name"]
-        reg = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              registry=reg, buckets=TTFT_BUCKETS).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
-                             registry=reg, buckets=ITL_BUCKETS).labels(model_name)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token of a request.",
-                              labels, registry=reg, buckets=ITL_BUCKETS).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             registry=reg, buckets=E2E_BUCKETS).labels(model_name)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
-                                     registry=reg).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
-                                         registry=reg).labels(model_name)
-        self._success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                                labels + ["finished_reason"], registry=reg)
-        self._errors = Counter("pagedserve:request_errors", "Requests answered with an error, by HTTP status.",
-                               labels + ["status"], registry=reg)
-        self.engine = _EngineCollector(model_name)
-        reg.register(self.engine)
+        self.registry = reg = CollectorRegistry(auto_describe=False)
+        labels = ["model_name", "engine"]
+        tokens = request_tokens_buckets(max_model_len)
 
-    def success(self, finish_reason: str) -> None:
-        self._success.labels(self.model_name, finish_reason).inc()
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
+
+        def count(name, doc, extra=()):
+            return Counter(name, doc, labels + list(extra), registry=reg)
+
+        self._families = {
+            "ttft": hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS),
+            "itl": hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS),
+            "tpot": hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),
+            "e2e": hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS),
+            "queue": hist("vllm:request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+            "inference": hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+            "prefill": hist("vllm:request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+            "decode": hist("vllm:request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+            "preemptions": hist("vllm:request_num_preemptions",
+                                "Histogram of the number of times a request was preempted.", PREEMPTIONS_BUCKETS),
+            "kv_computed": hist("vllm:request_prefill_kv_computed_tokens",
+                                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                                tokens),
+            "prompt_hist": hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens),
+            "generation_hist": hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                    tokens),
+            "max_generation": hist("vllm:request_max_num_generation_tokens",
+                                   "Histogram of maximum number of requested generation tokens.", tokens),
+            "params_n": hist("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS),
+            "params_max_tokens": hist("vllm:request_params_max_tokens",
+                                      "Histogram of the max_tokens request parameter.", tokens),
+            "prompt": count("vllm:prompt_tokens", "Number of prefill tokens processed."),
+            "generation": count("vllm:generation_tokens", "Number of generation tokens processed."),
+            "cached": count("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."),
+            "prompt_by_source": count("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                      ["source"]),
+            "cached_by_source": count("vllm:prompt_tokens_cached_by_source",
+                                      "Prefix-cache hit tokens by the cache tier that supplied them.", ["source"]),
+            "success": count("vllm:request_success", "Count of successfully processed requests.",
+                             ["finished_reason"]),
+        }
+        self._seen: dict[str, _Seen] = {}
+        rejections = Counter("vllm:admission_rejections",
+                             "Number of admission attempts rejected by a queue limit, by reason.",
+                             ["model_name", "reason"], registry=reg)
+        self._rejections = {r: rejections.labels(model_name, r) for r in ADMISSION_REASONS}
+        self._errors = Counter("pagedserve:request_errors", "Requests answered with an error, by HTTP status.",
+                               ["model_name", "status"], registry=reg)
+        self.engines = EngineCollector(model_name)
+        reg.register(self.engines)
+
+    def seen(self, engine: str) -> _Seen:
+        s = self._seen.get(engine)
+        if s is None:
+            s = self._seen[engine] = _Seen(self._families, self.model_name, engine)
+        return s
+
+    def finished(self, r: FinishedRequest) -> None:
+        s = self.seen(r.engine)
+        c = s.child
+        c["e2e"].observe(r.e2e_s)
+        for name, value in (("queue", r.queued_s), ("inference", r.inference_s), ("prefill", r.prefill_s),
+                            ("decode", r.decode_s)):
+            c[name].observe(value)
+        c["preemptions"].observe(r.num_preemptions)
+        computed = max(0, r.num_prompt_tokens - r.num_cached_tokens)
+        c["kv_computed"].observe(computed)
+        c["prompt_hist"].observe(r.num_prompt_tokens)
+        generated = sum(r.generation_tokens)
+        most = max(r.generation_tokens, default=0)
+        c["generation_hist"].observe(generated)
+        c["max_generation"].observe(most)
+        c["params_n"].observe(r.n)
+        if r.max_tokens is not None:
+            c["params_max_tokens"].observe(r.max_tokens)
+        # vLLM's mean time per output token: the decode phase over the tokens after the first.
+        c["tpot"].observe(r.decode_s / (most - 1) if most > 1 else 0.0)
+        c["prompt"].inc(r.num_prompt_tokens)
+        c["generation"].inc(generated)
+        c["cached"].inc(r.num_cached_tokens)
+        s.prompt_by_source["local_compute"].inc(computed)
+        s.prompt_by_source["local_cache_hit"].inc(r.num_cached_tokens)
+        s.cached_by_source["device"].inc(r.num_cached_tokens)
+        for reason in r.finish_reasons:
+            s.success[reason if reason in s.success else "abort"].inc()
+
+    def admission_rejected(self, reason: str) -> None:
+        self._rejections[reason].inc()
 
     def error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()
 
     def expose(self, engine_stats: list[dict]) -> bytes:
-        self.engine.replicas_up = len(engine_stats)
-        self.engine.stats = aggregate(engine_stats) if engine_stats else None
+        self.engines.stats = engine_stats
         return generate_latest(self.registry)
+
+
+# (StatsReply key, metric name, help, kind) of each engine's own scalar series; counters get
+# "_total" in the exposition.
+ENGINE_SERIES = (
+    ("num_requests_running", "vllm:num_requests_running", "Number of requests in model execution batches.",
+     "gauge"),
+    ("num_requests_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+     "gauge"),
+    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge"),
+    ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine.", "counter"),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens.", "counter"),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     "counter"),
+    ("external_prefix_cache_queries", "vllm:external_prefix_cache_queries",
+     "Prefix cache queries of the host tier, in terms of number of queried tokens.", "counter"),
+    ("external_prefix_cache_hits", "vllm:external_prefix_cache_hits",
+     "Prefix cache hits of the host tier, in terms of number of cached tokens.", "counter"),
+    ("num_requests_swapped", "pagedserve:num_requests_swapped", "Requests swapped out to host memory.", "gauge"),
+)
+# The scheduler core's counters (StatsReply["scheduler"]) rendered as ours.
+SCHEDULER_COUNTERS = (
+    ("cow_copies", "pagedserve:cow_copies", "Blocks copied on write (a shared block a sequence wrote to)."),
+    ("swap_outs", "pagedserve:swap_outs", "Requests swapped out to host memory."),
+    ("swap_ins", "pagedserve:swap_ins", "Requests swapped back in."),
+    ("recomputed_tokens", "pagedserve:recomputed_tokens", "Tokens dropped by a preemption, to compute again."),
+)
+
+
+class EngineCollector:
+    """Renders the engine stats fetched for this scrape: only those naming this router exporter."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: list[dict] = []
+
+    def collect(self):
+        up = GaugeMetricFamily("pagedserve:engine_replicas_up", "Engine replicas that answered GetStats.",
+                               labels=["model_name"])
+        up.add_metric([self.model_name], len(self.stats))
+        yield up
+        mine = [s for s in self.stats if s.get("exporter")]
+        labels = ["model_name", "engine"]
+        for key, name, doc, kind in ENGINE_SERIES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=labels)
+            for s in mine:
+                family.add_metric([self.model_name, s["engine"]], float(s.get(key, 0) or 0))
+            yield family
+        yield from self._by_label(mine, "vllm:num_requests_waiting_by_reason", "reason",
+                                  "Number of waiting requests by reason (capacity: waiting for room; "
+                                  "deferred: none here).",
+                                  lambda s: {"capacity": s.get("num_requests_waiting", 0), "deferred": 0})
+        yield from self._by_label(mine, "vllm:engine_sleep_state", "sleep_state",
+                                  "Engine sleep state (this engine has no sleep mode: always awake).",
+                                  lambda s: {"awake": 1, "weights_offloaded": 0, "discard_all": 0})
+        for key, name, doc in SCHEDULER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for s in mine:
+                family.add_metric([self.model_name, s["engine"]], float(s.get("scheduler", {}).get(key, 0)))
+            yield family
+        yield from self._steps(mine)
+        yield from self._cache(mine)
+
+    def _by_label(self, mine, name, label, doc, values):
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine", label])
+        for s in mine:
+            for value_label, value in values(s).items():
+                family.add_metric([self.model_name, s["engine"], value_label], float(value))
+        yield family
+
+    def _steps(self, mine):
+        tokens = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                       labels=["model_name", "engine"])
+        steps = CounterMetricFamily("pagedserve:engine_steps", "Engine steps run.", labels=["model_name", "engine"])
+        seconds = CounterMetricFamily("pagedserve:engine_step_seconds",
+                                      "Seconds of engine steps by phase (schedule, kvstore: the block-store "
+                                      "exchange, worker round trip, worker compute; step: the whole).",
+                                      labels=["model_name", "engine", "phase"])
+        for s in mine:
+            st = s.get("steps")
+            if not st:
+                continue
+            lab = [self.model_name, s["engine"]]
+            hist = st["iteration_tokens"]
+            buckets = [(repr(float(b)), c) for b, c in zip(hist["bounds"], hist["cumulative"])]
+            buckets.append(("+Inf", hist["cumulative"][-1]))
+            tokens.add_metric(lab, buckets, float(hist["sum"]))
+            steps.add_metric(lab, float(st["steps"]))
+            for phase, secs in st["seconds"].items():
+                seconds.add_metric(lab + [phase.replace(" ", "_")], float(secs))
+        yield from (tokens, steps, seconds)
+
+    def _cache(self, mine):
+        info = [s for s in mine if s.get("cache_config")]
+        if info:
+            keys = sorted(info[0]["cache_config"])
+            family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=["engine", *keys])
+            for s in info:
+                family.add_metric([s["engine"], *(str(s["cache_config"].get(k)) for k in keys)], 1.0)
+            yield family
+        split = GaugeMetricFamily("pagedserve:kv_breakdown", "Time-averaged share of the KV cache (of=cache) or "
+                                  "of its allocated slots (of=allocated) per part, as the PagedAttention paper's "
+                                  "Fig. 2 (0-1).", labels=["model_name", "engine", "of", "part"])
+        for s in mine:
+            split_of = s.get("kv", {}).get("kv_breakdown", {})
+            for of in ("cache", "allocated"):
+                for part, share in split_of.get(of, {}).items():
+                    split.add_metric([self.model_name, s["engine"], of, part], float(share))
+        yield split

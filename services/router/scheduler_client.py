@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -89,9 +90,9 @@ class _Merge:
 
     def result(self, final: protocol.RequestUpdate) -> Buffered:
         self.add(final)
-        merged = protocol.RequestUpdate(final.request_id, [self.outputs[i] for i in sorted(self.outputs)],
-                                        final.finished, final.error, final.num_prompt_tokens,
-                                        self.num_cached_tokens, self.prompt_logprobs)
+        merged = dataclasses.replace(final, outputs=[self.outputs[i] for i in sorted(self.outputs)],
+                                     num_cached_tokens=self.num_cached_tokens,
+                                     prompt_logprobs=self.prompt_logprobs)
         return Buffered(merged, self.first_token_at, self.last_token_at)
 
 
@@ -149,6 +150,11 @@ class SchedulerClient:
     @property
     def alive(self) -> bool:
         return not self.dead
+
+    @property
+    def engine(self) -> str:
+        """The scheduler's replica name, as its Pongs give it (the `engine` label of metrics)."""
+        return self.last_pong.sender if self.last_pong is not None else ""
 
     @property
     def ready(self) -> bool:
@@ -214,7 +220,7 @@ class SchedulerClient:
         self._stats_waiters.append(fut)
         try:
             async with asyncio.timeout(timeout_s):       # as ping: the send counts
-                await self._send(protocol.GetStats())
+                await self._send(protocol.GetStats(self.identity))
                 return await fut
         except (asyncio.TimeoutError, SchedulerUnavailable):
             fut.cancel()

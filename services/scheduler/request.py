@@ -74,7 +74,10 @@ class Request:
     beam: object | None = None                               # BeamSearch when beam_width > 1
     forked: bool = False                                     # n > 1: samples forked from the prompt
     error: str | None = None
+    # The request's phases, on the scheduler's clock (vLLM's queue/prefill/decode/inference times).
+    scheduled_time: float | None = None   # first admitted to run (a preemption does not move it)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0                               # prefix-cache hit at first admission

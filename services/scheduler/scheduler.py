@@ -396,6 +396,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = self.clock()
             self.running.append(req)
             self._add_compute(req, out, budget)
 
@@ -518,6 +520,7 @@ class Scheduler:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
+            req.last_token_time = now
             if req.beam is not None:
                 self._update_beams(req, by_seq)
             else:

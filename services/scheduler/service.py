@@ -29,6 +29,8 @@ from services.rpc import PeerTimeout, RpcClient
 from services.state import redact_url
 from services.sampling_params import SamplingParams, SamplingParamsError
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from services.scheduler.exporter import ExporterElection
+from services.scheduler.step_stats import StepStats
 from services.scheduler.stepper import RouterView, WorkerView
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -81,26 +83,6 @@ def config_from_args(args) -> Config:
     return from_args(Config, args)
 
 
-class StepTiming:
-    """Where a step's time goes (logged every 10 s while busy): the worker's compute vs the rest."""
-    NAMES = ("step", "schedule", "kvstore", "worker round trip", "worker compute")
-
-    def __init__(self, every_s: float = 10.0):
-        self.every_s, self.last = every_s, time.monotonic()
-        self.sums, self.steps = [0.0] * len(self.NAMES), 0
-
-    def add(self, *seconds: float) -> None:
-        self.steps += 1
-        self.sums = [a + b for a, b in zip(self.sums, seconds)]
-
-    def maybe_log(self, idle: bool = False) -> None:
-        """Every every_s while busy, and once when the work runs out."""
-        if self.steps and (idle or time.monotonic() - self.last >= self.every_s):
-            log.info("%d steps, mean ms: %s", self.steps, ", ".join(
-                f"{n} {1000 * s / self.steps:.2f}" for n, s in zip(self.NAMES, self.sums)))
-            self.sums, self.steps, self.last = [0.0] * len(self.NAMES), 0, time.monotonic()
-
-
 LEASE_S = 5.0   # the replica's lease in the shared state, renewed every heartbeat
 
 
@@ -144,7 +126,8 @@ class SchedulerService:
         self.workers_view, self.routers_view = WorkerView(), RouterView()
         self.step_no = 0
         self.unpublished = None   # (requests, finished) of the last step, not yet sent to routers
-        self.timing = StepTiming()
+        self.timing = StepStats()
+        self.exporters = ExporterElection()   # which router exports this engine's series
         self.ready = True
         self.broken: str | None = None   # set when the kvstore diverged: reset at the next heartbeat
         self.last_beat = time.monotonic()
@@ -219,11 +202,13 @@ class SchedulerService:
             self._flush_finished([self.core.requests[msg.request_id]] if msg.request_id in self.core.requests else [])
         elif isinstance(msg, protocol.GetStats):
             try:
-                self._send(identity, protocol.StatsReply(self.stats()))
+                stats = self.stats()
+                stats["exporter"] = bool(msg.router_id) and self.exporters.elect(msg.router_id, time.monotonic())
+                self._send(identity, protocol.StatsReply(stats))
             except PeerTimeout as e:   # the heartbeat marks the replica not ready; this caller gets a 503
                 self._send(identity, protocol.Error(f"the kvstore did not answer: {e}", 503, "server_error"))
         elif isinstance(msg, protocol.Ping):
-            self._send(identity, protocol.Pong("scheduler", time.time(), "scheduler",
+            self._send(identity, protocol.Pong(self.config.replica_id, time.time(), "scheduler",
                                                self.ready and not self.draining))
         else:
             self._send(identity, protocol.Error(f"the scheduler does not take {type(msg).__name__}"))
@@ -285,7 +270,7 @@ class SchedulerService:
         if not self.core.has_unfinished():
             self.publish()
             self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
-        self.timing.add(time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, worker_s)
+        self.timing.add(scheduled.num_tokens, time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, worker_s)
 
     def publish(self) -> None:
         """Send the routers what the last step produced: one message per router, then the ends."""
@@ -431,7 +416,17 @@ class SchedulerService:
                 "kv_cache_usage_perc": kv.get("device_blocks_used", 0) / total,
                 "num_preemptions": s["preemptions"], "prefix_cache_queries": kv.get("prefix_queries_tokens", 0),
                 "prefix_cache_hits": kv.get("prefix_hit_tokens", 0), "scheduler": dict(s),
-                "kv": {**kv, "kv_breakdown": self.core.kv_breakdown()}}
+                "kv": {**kv, "kv_breakdown": self.core.kv_breakdown()},
+                "engine": self.config.replica_id, "steps": self.timing.snapshot(),
+                "cache_config": self._cache_config()}
+
+    def _cache_config(self) -> dict:
+        """vLLM's cache_config_info labels that carry over (its CacheConfig field names)."""
+        info = self.pool_info
+        return {"block_size": info.block_size, "num_gpu_blocks": info.num_device_blocks,
+                "num_cpu_blocks": info.num_host_blocks, "enable_prefix_caching": info.enable_prefix_caching,
+                "allocation": info.allocation, "device": info.device,
+                "preemption_mode": self.config.preemption_mode}
 
 
 def _moves_bytes(ops: list[list], results: list) -> bool:

@@ -173,5 +173,18 @@ class RouterView:
         if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent \
                 and (not req.needs_prompt_logprobs or finished):
             prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
-        return protocol.RequestUpdate(rid, deltas, finished, req.error, len(req.prompt_token_ids),
-                                      req.num_cached_tokens, prompt_logprobs)
+        update = protocol.RequestUpdate(rid, deltas, finished, req.error, len(req.prompt_token_ids),
+                                        req.num_cached_tokens, prompt_logprobs)
+        if finished:
+            self._phases(update, req)
+        return update
+
+    def _phases(self, update: protocol.RequestUpdate, req: Request) -> None:
+        """vLLM's per-request phase times; a phase the request never reached counts 0."""
+        update.num_preemptions = req.num_preemptions
+        scheduled, first, last = req.scheduled_time, req.first_token_time, req.last_token_time
+        if scheduled is None:
+            return
+        update.queued_s = scheduled - req.arrival_time
+        if first is not None and last is not None:
+            update.prefill_s, update.decode_s, update.inference_s = first - scheduled, last - first, last - scheduled
