@@ -13,7 +13,7 @@ import yaml
 from services.cli import SERVICES, _service_args
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED = {"keys", "redis", "kvstore", "worker", "scheduler", "router", "nginx"}
+EXPECTED = {"keys", "redis", "kvstore", "worker", "scheduler", "router", "nginx", "prometheus", "grafana"}
 
 
 def _substitute(value: str) -> str:
@@ -94,3 +94,21 @@ def test_nginx_config_is_valid(tmp_path):
                           "-g", f"pid {tmp_path}/nginx.pid; error_log {tmp_path}/logs/error.log;"],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
+
+
+def test_prometheus_and_grafana_are_provisioned_from_deploy(compose):
+    """Every file the two services mount exists; Prometheus's config passes promtool where it is
+    installed; the dashboard is JSON whose data sources are the provisioned one."""
+    import json
+    for name in ("prometheus", "grafana"):
+        for volume in compose["services"][name]["volumes"]:
+            assert (ROOT / volume.split(":")[0]).exists(), (name, volume)
+    dash = json.loads((ROOT / "deploy/grafana/dashboards/pagedserve.json").read_text())
+    assert dash["uid"] == "pagedserve" and len([p for p in dash["panels"] if p["type"] != "row"]) >= 12
+    source = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["uid"] == dash["templating"]["list"][0]["current"]["value"]
+    promtool = shutil.which("promtool")
+    if promtool:
+        r = subprocess.run([promtool, "check", "config", str(ROOT / "deploy/prometheus.yml")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr

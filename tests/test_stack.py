@@ -425,3 +425,60 @@ def test_stopping_the_stack_answers_requests_in_flight_with_503(tiny_llama):
     assert code == 0 and time.monotonic() - stopped < 10
     assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == 503
     assert out["stream"][-1] == "data: [DONE]" and json.loads(out["stream"][-2][6:])["error"]["code"] == 503
+
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "pagedserve.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target, with Grafana's variables as a user's default view has them."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"].replace("$__rate_interval", "30s").replace("$model_name", ".*"))
+            for p in panels for t in p.get("targets", [])]
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack, tiny_llama, tmp_path):
+    """A real Prometheus scrapes both routers while a little traffic runs; every query of the
+    Grafana dashboard (deploy/) must return series through Prometheus's HTTP API."""
+    import shutil
+    import subprocess
+    import httpx
+    from loadgen.stack import free_port
+    binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
+    if binary is None:
+        pytest.skip("no prometheus binary (Debian's `prometheus` package; .ci/run installs it)")
+    targets = ", ".join(f'"{u.removeprefix("http://")}"' for u in stack.urls)
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs:\n  - job_name: pagedserve\n    static_configs: [{{targets: [{targets}]}}]\n")
+    port = free_port()
+    prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{port}/api/v1"
+    try:
+        deadline = time.monotonic() + 90
+        body = {"model": tiny_llama, "max_tokens": 6}
+        missing: list = []
+        while time.monotonic() < deadline:
+            for i, url in enumerate(stack.urls):   # a shared prefix (cache hits), n=2, a 400
+                httpx.post(url + "/v1/completions", json={**body, "prompt": PROMPTS[0] * 8 + str(i), "n": 2},
+                           timeout=60)
+                httpx.post(url + "/v1/completions", json={**body, "prompt": "x", "n": 0}, timeout=60)
+            time.sleep(1)
+            try:
+                results = {(title, expr): httpx.get(api + "/query", params={"query": expr}, timeout=10).json()
+                           for title, expr in dashboard_queries()}
+            except httpx.HTTPError:   # Prometheus still starting
+                continue
+            assert all(r["status"] == "success" for r in results.values()), results
+            missing = [key for key, r in results.items() if not r["data"]["result"]]
+            ttft = results[next(k for k in results if k[0] == "Time to first token")]["data"]["result"]
+            if not missing and ttft and ttft[0]["value"][1] != "NaN":
+                break
+        assert not missing, f"dashboard queries without data: {missing}"
+        models = httpx.get(api + "/label/model_name/values", timeout=10).json()["data"]
+        assert tiny_llama in models    # the dashboard's model variable
+    finally:
+        prom.terminate()
+        prom.wait(10)
