@@ -137,3 +137,24 @@ def test_parallel_samples_share_the_prompts_blocks():
     assert sched.store.refcount(tables[0][0]) == 3
     run_all(sched, clock)
     assert len(req.finished) == 3 and sched.store.num_free_device_blocks == 64
+
+
+def test_the_final_update_carries_vllms_phases_on_the_engines_clock():
+    """Queued until admitted, prefill to the first token, decode to the last; a preempted request
+    counts its preemptions and keeps its first admission time."""
+    from services.scheduler.stepper import RouterView
+    sched, clock = make(max_num_seqs=1)
+    sched.add_request("a", list(range(6)), params(3))
+    sched.add_request("b", list(range(6)), params(2))   # waits while a runs (one sequence at a time)
+    finals = {}
+    view = RouterView()
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        s, done = step(sched, clock)
+        for req in done:
+            finals[req.request_id] = view.update_for(req)
+    a, b = finals["a"], finals["b"]
+    # a: admitted at 0, first token after the step ending at 1, last at 3
+    assert (a.queued_s, a.prefill_s, a.decode_s, a.inference_s) == (0.0, 1.0, 2.0, 3.0)
+    assert b.queued_s == 3.0 and b.prefill_s == 1.0 and b.decode_s == 1.0 and b.num_preemptions == 0
