@@ -130,6 +130,33 @@ def _allowed(bitmask):
     return [t for t in range(2048) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
 
 
+@pytest.mark.parametrize("backend", specs.BACKENDS)
+def test_a_guided_output_stays_valid_utf8(tokenizer, backend):
+    """Inside a JSON string, after a lone lead byte 0xED only 80-9F may follow (A0-BF would encode
+    a UTF-16 surrogate, which decodes to U+FFFD and broke a maxLength); no ASCII token may follow
+    an incomplete character; a complete one lets everything back in."""
+    b = make_backend(backend, tokenizer, 2048, (2,))
+    schema = {"type": "object", "required": ["s"], "additionalProperties": False,
+              "properties": {"s": {"type": "string", "maxLength": 16}}}
+    m = b.matcher(b.compile(specs.make("json", schema, backend)))
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    # The tiny model's tokenizer is byte-level BPE: every byte is a token of its own.
+    token_of_byte = {byte: tokenizer.convert_tokens_to_ids(ch) for byte, ch in bytes_to_unicode().items()}
+    for t in tokenizer('{"s":"', add_special_tokens=False)["input_ids"] + [token_of_byte[0xED]]:
+        assert b.accept(m, t)
+
+    def allowed_now():
+        bitmask = torch.zeros(1, 64, dtype=torch.int32)
+        b.fill([m], bitmask, [0])
+        return set(_allowed(bitmask))
+    now = allowed_now()
+    assert token_of_byte[0x9F] in now and token_of_byte[0x80] in now
+    assert not now & {token_of_byte[x] for x in range(0xA0, 0xC0)}          # a surrogate
+    assert not now & {token_of_byte[x] for x in range(0x20, 0x7F)}          # mid-character ASCII
+    assert b.accept(m, token_of_byte[0x95]) and b.accept(m, token_of_byte[0x9C])   # U+D55C, a Hangul syllable
+    assert token_of_byte[ord("x")] in allowed_now()
+
+
 def test_the_bitmask_masks_only_its_rows():
     logits = torch.randn(3, 70)
     bitmask = torch.zeros(1, 3, dtype=torch.int32)

@@ -73,6 +73,7 @@ class XGrammarBackend:
         self.batch = xgr.BatchGrammarMatcher(max_threads=1)
         self.vocab_size = vocab_size
         self.json_tokens = _without_control_bytes(self.info.decoded_vocab, vocab_size, set(stops or ()))
+        self.utf8 = Utf8Guard(self.info.decoded_vocab, vocab_size, set(stops or ()))
 
     def compile(self, c: dict) -> Any:
         """-> (xgrammar's CompiledGrammar, whether it is JSON)."""
@@ -96,10 +97,14 @@ class XGrammarBackend:
         return _XMatcher(self._xgr.GrammarMatcher(grammar), is_json)
 
     def accept(self, m, token_id: int) -> bool:
-        return m.matcher.accept_token(token_id)
+        if not m.matcher.accept_token(token_id):
+            return False
+        m.utf8 = self.utf8.advance_token(m.utf8, token_id)
+        return True
 
     def fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
         self.batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask, rows)
+        self.utf8.restrict(bitmask, rows, [m.utf8 for m in matchers])
         # xgrammar 0.2.9 lets a length-bounded JSON string hold raw control characters (its class
         # is [^"\\\r\n]), which no JSON parser takes; compact JSON has no raw byte below 0x20 at all.
         json_rows = [r for m, r in zip(matchers, rows) if m.is_json]
@@ -159,10 +164,88 @@ class GuidanceBackend:
 
 
 class _XMatcher:
-    __slots__ = ("matcher", "is_json")
+    __slots__ = ("matcher", "is_json", "utf8")
 
     def __init__(self, matcher, is_json: bool):
         self.matcher, self.is_json = matcher, is_json
+        self.utf8 = 0            # Utf8Guard state of the bytes accepted so far
+
+
+# UTF-8 decoder states between tokens: (continuation bytes still needed, the next one's range).
+# After E0, ED, F0 and F4 the first continuation byte has a narrower range (no overlong forms, no
+# surrogates, nothing past U+10FFFF); every later one is 80-BF.
+_UTF8_STATES = ((0, 0x80, 0xBF), (1, 0x80, 0xBF), (2, 0x80, 0xBF), (3, 0x80, 0xBF),
+                (2, 0xA0, 0xBF), (2, 0x80, 0x9F), (3, 0x90, 0xBF), (3, 0x80, 0x8F))
+_UTF8_INDEX = {s: i for i, s in enumerate(_UTF8_STATES)}
+
+
+def _utf8_advance(state: tuple, data: bytes) -> tuple | None:
+    """The decoder state after `data`, or None where it breaks UTF-8 (RFC 3629's table)."""
+    need, lo, hi = state
+    for b in data:
+        if need:
+            if not lo <= b <= hi:
+                return None
+            need, lo, hi = need - 1, 0x80, 0xBF
+        elif b < 0x80:
+            continue
+        elif 0xC2 <= b <= 0xDF:
+            need = 1
+        elif b == 0xE0:
+            need, lo = 2, 0xA0
+        elif b == 0xED:
+            need, hi = 2, 0x9F
+        elif 0xE1 <= b <= 0xEF:
+            need = 2
+        elif b == 0xF0:
+            need, lo = 3, 0x90
+        elif 0xF1 <= b <= 0xF3:
+            need = 3
+        elif b == 0xF4:
+            need, hi = 3, 0x8F
+        else:
+            return None
+    return need, lo, hi
+
+
+class Utf8Guard:
+    """Keeps a guided output valid UTF-8. xgrammar 0.2.9 matches bytes by the shape of UTF-8 but
+    takes what a decoder refuses (ED A0..BF: a UTF-16 surrogate; overlong forms), so a string of 16
+    "characters" by its count decoded to 18, three of them U+FFFD, and failed its maxLength (found
+    by loadgen.bench_structured). Per decoder state, a bitmask row of the tokens that continue
+    validly; the matcher carries its state, and each step's rows are ANDed with their state's row."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int, keep: set[int]):
+        self.vocab = decoded_vocab
+        width = bitmask_width(vocab_size) * 32
+        allowed = torch.zeros(len(_UTF8_STATES), width, dtype=torch.bool)
+        allowed[:, vocab_size:] = True          # past the tokenizer: the grammar's own mask decides
+        for t, raw in enumerate(decoded_vocab[:vocab_size]):
+            if t in keep or not raw:
+                allowed[:, t] = True
+            elif raw.isascii():
+                allowed[0, t] = True            # nothing but state 0 takes an ASCII byte first
+            else:
+                for i, state in enumerate(_UTF8_STATES):
+                    allowed[i, t] = _utf8_advance(state, raw) is not None
+        self.rows = torch.stack([_pack(a) for a in allowed])    # [S, W] int32
+
+    def advance_token(self, state: int, token_id: int) -> int:
+        raw = self.vocab[token_id] if token_id < len(self.vocab) else b""
+        if state == 0 and raw.isascii():
+            return 0
+        after = _utf8_advance(_UTF8_STATES[state], raw)
+        return 0 if after is None else _UTF8_INDEX[after]   # None: a token the mask did not offer
+
+    def restrict(self, bitmask: torch.Tensor, rows: list[int], states: list[int]) -> None:
+        bitmask[rows] &= self.rows[states]
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [32 * W] -> int32 bitmask row [W] (bit t: token t allowed)."""
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    packed = bits.sum(dim=1)                                   # [W] in [0, 2**32)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
 
 
 def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int, keep: set[int]) -> torch.Tensor:
@@ -172,9 +255,7 @@ def _without_control_bytes(decoded_vocab: list[bytes], vocab_size: int, keep: se
     for t, raw in enumerate(decoded_vocab[:vocab_size]):
         if t not in keep and any(b < 0x20 for b in raw):
             allowed[t] = False
-    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
-    packed = bits.sum(dim=1)                                   # [W] in [0, 2**32)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+    return _pack(allowed)
 
 
 BACKEND_TYPES = {b.name: b for b in (XGrammarBackend, GuidanceBackend)}
