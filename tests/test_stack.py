@@ -5,6 +5,7 @@ The official `openai` SDK, unchanged, talks to it; greedy results must equal tra
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -16,7 +17,9 @@ import torch
 
 from loadgen.stack import Stack, alive
 
-REDIS_URL = "redis://127.0.0.1:6379/9"
+# A database of its own per pytest-xdist worker: the routers of one stack pick among every
+# replica registered there, and a stack of another test file must not be among them.
+REDIS_URL = f"redis://127.0.0.1:6379/{9 + int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:])}"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Scheduler:", "x = [1, 2, 3]",
            "# A paged KV cache", "while True:", "print('hello')", "async def main():"]
 
