@@ -29,6 +29,16 @@ ENGINE_SERIES = (
     ("num_preemptions", "vllm:num_preemptions", "Preemptions since the engine started.", "counter"),
     ("prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
     ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
+    ("external_prefix_cache_queries", "vllm:external_prefix_cache_queries",
+     "Prompt tokens looked up in the host tier of the prefix cache.", "counter"),
+    ("external_prefix_cache_hits", "vllm:external_prefix_cache_hits",
+     "Prompt tokens found in the host tier of the prefix cache (promoted to the device).", "counter"),
+    ("host_cache_demotions", "pagedserve:host_cache_demotions",
+     "Prefix blocks evicted from the device and copied to the host tier.", "counter"),
+    ("host_cache_promotions", "pagedserve:host_cache_promotions",
+     "Host-tier blocks copied back to the device on a prefix hit.", "counter"),
+    ("host_cache_bytes_copied", "pagedserve:host_cache_bytes_copied",
+     "Bytes copied between the device and the host tier, both ways, all ranks.", "counter"),
 )
 
 
