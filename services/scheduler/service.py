@@ -321,9 +321,10 @@ class SchedulerService:
             return None
         self.step_no += 1
         self.kv.send_apply(self.step_no, ops)
-        copies, self.host_copies_sent = self.mirror.host_cache_copies - self.host_copies_sent, \
-            self.mirror.host_cache_copies
-        return expected, bool(copies) or _moves_bytes(ops, expected)
+        copies = self.mirror.host_cache_copies
+        moved = _moves_bytes(ops, expected, copies - self.host_copies_sent)
+        self.host_copies_sent = copies
+        return expected, moved
 
     def _check_ops(self, pending) -> None:
         expected, _ = pending
@@ -460,9 +461,10 @@ class SchedulerService:
                 "kv": {**kv, "kv_breakdown": self.core.kv_breakdown()}}
 
 
-def _moves_bytes(ops: list[list], results: list) -> bool:
-    """Whether replaying these ops copies block bytes (swaps, or appends that copied on write)."""
-    return any(op[0] in ("swap_out", "swap_in") or (op[0] in ("append_slots", "append_tokens") and r[1])
+def _moves_bytes(ops: list[list], results: list, host_copies: int = 0) -> bool:
+    """Whether replaying these ops copies block bytes (swaps, appends that copied on write, or
+    host_copies blocks demoted or promoted: a demoted block is written again in this very step)."""
+    return host_copies > 0 or any(op[0] in ("swap_out", "swap_in") or (op[0] in ("append_slots", "append_tokens") and r[1])
                for op, r in zip(ops, results))
 
 
