@@ -145,7 +145,8 @@ def kv_offloading_size():
     return opt(None, "GiB of host memory, over all tensor-parallel ranks, that keeps prefix blocks evicted "
                      "from the device (the host tier, vLLM's spelling; default: the whole --swap-space, "
                      "which swapped-out requests take first; 0: no host tier)",
-               flag="--kv-offloading-size", check=lambda v: v >= 0 or "must be >= 0")
+               flag="--kv-offloading-size", metavar="GIB",
+               check=lambda v: (v >= 0 and math.isfinite(v)) or "must be >= 0 and finite")
 
 
 def host_cache_blocks(config, host_blocks: int, block_bytes: int, tp_size: int = 1) -> int:
