@@ -176,8 +176,8 @@ class BlockStore:
             promoted = len(hits) - len(on_device)
             self._counters["prefix_queries_tokens"] += len(tokens)
             self._counters["prefix_hit_tokens"] += len(on_device) * self.block_size
-            if self._host_index is not None:
-                self._counters["host_queries_tokens"] += len(tokens)
+            if self._host_index is not None:   # vLLM asks its external tier for what the device missed
+                self._counters["host_queries_tokens"] += len(tokens) - len(on_device) * self.block_size
                 self._counters["host_hit_tokens"] += promoted * self.block_size
         self._note_peak()
         return AllocResult(True, len(hits) * self.block_size)

@@ -41,8 +41,9 @@ def summary_of(result: RunResult) -> dict:
 def prefix_cache_of(samples: list[dict], bound: float | None) -> dict:
     """The server's prefix-cache hit rates over the run, in prompt tokens, from its counters at the
     first and the last /metrics reading: the device's (vllm:prefix_cache_*), the host tier's
-    (vllm:external_prefix_cache_*, asked for every prompt too) and both, beside `bound`, the rate
-    a cache that never evicts would reach on the prompts sent (workload.prefix_cache_bound)."""
+    (vllm:external_prefix_cache_hits) and both, each as a share of all prompt tokens looked up,
+    beside `bound`, the rate a cache that never evicts would reach on the prompts sent
+    (workload.prefix_cache_bound)."""
     def delta(series: str) -> float | None:
         values = [s[series] for s in samples if s.get(series) is not None]
         return values[-1] - values[0] if len(values) >= 2 else None

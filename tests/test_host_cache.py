@@ -296,6 +296,8 @@ def test_a_resumed_scheduler_hits_the_prefixes_of_the_one_before(pools):
     fresh.restore(snap.snapshot)
     r = fresh.allocate(0, prompt + [77])           # the new scheduler's first request, same prefix
     assert r.ok and r.num_cached_tokens == 20
+    # The device had 20 of its 22 tokens: the host tier is asked for the other 2 (vLLM's count).
+    assert (fresh.stats()["prefix_hit_tokens"], fresh.stats()["host_queries_tokens"]) == (20, 2)
     ops, expected = fresh.drain()
     reply = call(protocol.ApplyOps(1, ops))        # step numbers start again at 1
     assert reply.error is None and reply.results == expected == [[True, 20]]

@@ -199,8 +199,9 @@ def test_a_restarted_scheduler_finds_the_prefixes_cached_before_it_died(stack):
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     prompt_tokens = again.json()["usage"]["prompt_tokens"]
     assert metric(stack.url, "vllm:prefix_cache_hits_total") - hits == (prompt_tokens - 1) // 16 * 16 > 0
-    # The host tier is on by default (the whole --swap-space): it is asked, in tokens, as vLLM counts.
-    assert metric(stack.url, "vllm:external_prefix_cache_queries_total") >= 2 * prompt_tokens
+    # The host tier is on by default (the whole --swap-space): it is asked for what the device
+    # missed, in tokens, as vLLM counts its external tiers (all of the first request at least).
+    assert metric(stack.url, "vllm:external_prefix_cache_queries_total") >= prompt_tokens
     for name in ("vllm:external_prefix_cache_hits_total", "pagedserve:host_cache_demotions_total",
                  "pagedserve:host_cache_promotions_total", "pagedserve:host_cache_bytes_copied_total"):
         assert metric(stack.url, name) >= 0

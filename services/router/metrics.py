@@ -30,7 +30,7 @@ ENGINE_SERIES = (
     ("prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
     ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
     ("external_prefix_cache_queries", "vllm:external_prefix_cache_queries",
-     "Prompt tokens looked up in the host tier of the prefix cache.", "counter"),
+     "Prompt tokens looked up in the host tier of the prefix cache (those the device missed).", "counter"),
     ("external_prefix_cache_hits", "vllm:external_prefix_cache_hits",
      "Prompt tokens found in the host tier of the prefix cache (promoted to the device).", "counter"),
     ("host_cache_demotions", "pagedserve:host_cache_demotions",
