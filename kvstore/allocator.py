@@ -196,3 +196,33 @@ class BlockAllocator:
         """An evictable block loses its hash: it moves to the clean list."""
         del self._evictable[block]
         self._clean.append(block)
+
+    def reuse_oldest(self) -> int:
+        """The least recently freed evictable block, at refcount 1, even while clean blocks are
+        left (the owner is told, as allocate tells it): a capped cache replaces its own oldest."""
+        block, _ = self._evictable.popitem(last=False)
+        if self._on_evict is not None:
+            self._on_evict(block)
+        self._refcounts[block] = 1
+        self._free_map[block] = 0
+        return block
+
+    def snapshot(self) -> dict:
+        """Refcounts and the order of both free lists (plain lists: msgpack carries them)."""
+        return {"refcounts": list(self._refcounts), "clean": list(self._clean),
+                "evictable": list(self._evictable)}
+
+    def restore(self, snap: dict) -> None:
+        """Take the state snapshot() gave, from an allocator of as many blocks; ValueError when it
+        is not one (wrong size, a block both free and held, or free twice)."""
+        refcounts, clean, evictable = snap["refcounts"], snap["clean"], snap["evictable"]
+        if len(refcounts) != self.num_blocks:
+            raise ValueError(f"a snapshot of {len(refcounts)} blocks for a pool of {self.num_blocks}")
+        free = set(clean) | set(evictable)
+        if len(free) != len(clean) + len(evictable) or free != {b for b, r in enumerate(refcounts) if r == 0} \
+                or min(refcounts, default=0) < 0:
+            raise ValueError("a snapshot whose free lists are not exactly its blocks at refcount 0")
+        self._refcounts = [int(r) for r in refcounts]
+        self._clean = deque(clean)
+        self._evictable = OrderedDict.fromkeys(evictable)
+        self._free_map = bytearray(_FREE[0] if r == 0 else _USED[0] for r in self._refcounts)

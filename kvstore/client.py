@@ -53,8 +53,12 @@ class KVStoreClient:
             raise KVStoreError(f"asked to apply step {step}, the kvstore answered for step {reply.step}")
         return reply
 
+    def resume(self, sender: str) -> protocol.StoreSnapshot:
+        """Take over the store (a new scheduler): the last one's sequences freed, the state to mirror."""
+        return self._call(protocol.ResumeStore(sender), protocol.StoreSnapshot)
+
     def reset(self, sender: str) -> None:
-        """Empty the store (a new scheduler starts from nothing)."""
+        """Empty the store, its cache too (a diverged mirror starts from nothing)."""
         self._call(protocol.ResetStore(sender), protocol.Pong)
 
     def pool_info(self, timeout_s: float | None = None) -> protocol.PoolInfo:

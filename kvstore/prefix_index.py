@@ -97,5 +97,9 @@ class PrefixIndex:
         h = self._hash_of.pop(block)
         del self._block_of[h]
 
+    def clear(self) -> None:
+        self._block_of.clear()
+        self._hash_of.clear()
+
     def items(self) -> list[tuple[bytes, int]]:
         return list(self._block_of.items())

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.block_table import DEVICE, HOST
-from kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult
+from kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult, wire_keys
 from services.protocol import ProtocolError
 
 OPS = ("allocate", "append_slots", "append_tokens", "mark_computed", "fork", "free", "swap_out", "swap_in")
@@ -70,7 +70,7 @@ def encode_result(r: Any) -> Any:
 # per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
 _READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "swap_in_blocks_needed", "can_swap_out",
           "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "num_tokens_of", "location", "token_ids", "slot_mapping",
-          "refcount", "evictable_blocks", "block_hash", "stats", "kv_usage", "check_invariants")
+          "refcount", "evictable_blocks", "block_hash", "stats", "kv_usage", "check_invariants", "snapshot")
 
 
 class RecordingStore:
@@ -91,6 +91,8 @@ class RecordingStore:
     enable_prefix_caching = property(lambda self: self.store.enable_prefix_caching)
     num_free_device_blocks = property(lambda self: self.store.num_free_device_blocks)
     num_free_host_blocks = property(lambda self: self.store.num_free_host_blocks)
+    host_cache_blocks = property(lambda self: self.store.host_cache_blocks)
+    host_cache_copies = property(lambda self: self.store.host_cache_copies)
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self.store
@@ -103,12 +105,18 @@ class RecordingStore:
 
     # ---- mutations ---------------------------------------------------------------------------
 
+    def restore(self, snapshot: dict) -> None:
+        """Take the replica's state (BlockStore.restore): nothing to record, the replica has it
+        already, and what was recorded before it no longer applies."""
+        self.store.restore(snapshot)
+        self._ops, self._results = [], []
+
     def allocate(self, seq_id: int, token_ids, extra_keys: tuple = (),
                  max_total_tokens: int | None = None) -> AllocResult:
         r = self.store.allocate(seq_id, token_ids, extra_keys, max_total_tokens)
         if r.ok:
             self._ops.append(["allocate", int(seq_id), [int(t) for t in token_ids],
-                              _wire_keys(extra_keys), max_total_tokens])
+                              wire_keys(extra_keys), max_total_tokens])
             self._results.append([True, r.num_cached_tokens])
         return r
 
@@ -159,11 +167,6 @@ class RecordingStore:
             self._ops.append([op, ids])
             self._results.append(encode_result(r))
         return r
-
-
-def _wire_keys(keys) -> list:
-    """Extra keys as msgpack gives them back (tuples become lists; the hash treats both alike)."""
-    return [_wire_keys(k) if isinstance(k, (tuple, list)) else k for k in keys]
 
 
 # ---- replay on the kvstore ---------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 Owns the device and host pools of every tensor-parallel rank (it creates them at start and unlinks
 them on SIGTERM/SIGINT) and the BlockStore over them: refcounts, block tables, the prefix index and
-the copy-on-write and swap copies. The scheduler sends each step's op log (ApplyOps) recorded on its
-mirror; this process replays it once, in order, and answers with the results. Workers ask for the
+the copy-on-write, swap and host-tier copies. The scheduler sends each step's op log (ApplyOps)
+recorded on its mirror; this process replays it once, in order, and answers with the results. A
+(re)started scheduler resumes (ResumeStore): the sequences of the one before are freed, and it
+builds its mirror from this store's snapshot, so the prefix cache outlives the scheduler. Workers ask for the
 pool names (GetPoolInfo) and map the pools; they never ask for blocks.
 
 Steps apply in order, each once: after a reset (and at start) the next step must be 1, then each
@@ -58,6 +60,9 @@ class Config:
     tp_size: int = opt(1, "tensor-parallel ranks: one device pool and one host pool each", check=at_least(1))
     enable_prefix_caching: bool = opt(True, "find full blocks again by the hash of their tokens",
                                       aliases=["--prefix-caching"])
+    host_cache_blocks: int = opt(0, "host blocks (of each host pool) that may keep prefix blocks evicted "
+                                    "from the device: the host tier (0: none; the launcher derives it "
+                                    "from --kv-offloading-size)", check=at_least(0))
     allocation: str = cf.allocation()
     max_model_len: int = opt(2048, "the context orca-max reserves per request", check=at_least(1))
     device: str = cf.device(help="where the device pools live: cpu (shared memory) or cuda")
@@ -75,6 +80,9 @@ class Config:
                     "(on CPU give --num-device-blocks)")
         if self.num_device_blocks < 1 and not self.gpu_memory_utilization:
             return "--num-device-blocks must be at least 1"
+        if self.host_cache_blocks > self.num_host_blocks:
+            return (f"--host-cache-blocks {self.host_cache_blocks} is more than the host pool's "
+                    f"{self.num_host_blocks} blocks (--num-host-blocks)")
         return None
 
     def validate(self) -> "Config":
@@ -151,7 +159,7 @@ def pool_info(config: Config, pools: Pools, sync=None) -> protocol.PoolInfo:
         enable_prefix_caching=config.enable_prefix_caching,
         allocation=config.allocation, max_model_len=config.max_model_len,
         ipc_handles=[] if config.device == "cpu" else _cuda_ipc_handles(pools.device),
-        event_handles=copies_events, step_event_handles=step_events)
+        event_handles=copies_events, step_event_handles=step_events, host_cache_blocks=config.host_cache_blocks)
 
 
 # ---- the service core: frames in, frames out ---------------------------------------------------
@@ -165,10 +173,9 @@ class KVStoreService:
         self.info = info
         self.sync = sync or NoSync()   # CUDA: copies on the kvstore's streams, then an event per device
         self.last_step: int | None = None
-        self._handlers = {protocol.ApplyOps: self._apply, protocol.ResetStore: self._reset,
-                          protocol.GetPoolInfo: lambda _: self.info,
-                          protocol.GetStats: lambda _: protocol.StatsReply(self.store.stats()),
-                          protocol.Ping: _pong}
+        self._handlers = {protocol.ApplyOps: self._apply, protocol.ResumeStore: self._resume,
+                          protocol.ResetStore: self._reset, protocol.GetPoolInfo: lambda _: self.info,
+                          protocol.GetStats: self._stats, protocol.Ping: _pong}
 
     def handle(self, frames: list) -> list:
         """Request frames -> reply frames. Never raises: every failure becomes an Error reply."""
@@ -187,6 +194,26 @@ class KVStoreService:
             log.error("internal error: %r", e)
             reply = protocol.Error(f"internal error: {e!r}", code=500, type="internal_error")
         return protocol.encode(reply)
+
+    def _stats(self, _msg) -> protocol.StatsReply:
+        stats = self.store.stats()
+        # The core counts blocks; a block is block_bytes on every tensor-parallel rank.
+        stats["host_cache_bytes_copied"] = self.store.host_cache_copies * self.info.block_bytes \
+            * len(self.info.device_pool_names)
+        return protocol.StatsReply(stats)
+
+    def _resume(self, msg: protocol.ResumeStore) -> protocol.StoreSnapshot:
+        """A new scheduler takes over: what the one before it held is freed (its requests died
+        with it; their computed prefix blocks stay cached), and it gets the state to mirror."""
+        ids = sorted(self.store.seq_ids())
+        for seq_id in ids:
+            self.store.free(seq_id)
+        self.last_step = None
+        stats = self.store.stats()
+        log.info("resumed by %s: %d sequences of the scheduler before freed, %d device + %d host blocks "
+                 "cached", msg.sender or "a scheduler", len(ids), stats["device_blocks_cached"],
+                 stats["host_blocks_cached"])
+        return protocol.StoreSnapshot(self.store.snapshot(), len(ids))
 
     def _reset(self, msg: protocol.ResetStore) -> protocol.Pong:
         """Block metadata back to empty for a scheduler that starts over; the bytes are garbage now
@@ -255,7 +282,8 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
             def make_store() -> BlockStore:
                 return BlockStore(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                   config.enable_prefix_caching, pools.device, pools.host,
-                                  policy=make_policy(config.allocation, config.max_model_len))
+                                  policy=make_policy(config.allocation, config.max_model_len),
+                                  host_cache_blocks=config.host_cache_blocks)
             sync = NoSync() if config.device == "cpu" else CopySync([str(p.device) for p in pools.device])
             service = KVStoreService(make_store, pool_info(config, pools, sync), sync)
         except (OSError, ValueError, RuntimeError) as e:

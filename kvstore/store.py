@@ -14,9 +14,20 @@ Copy-on-write: before new tokens land in a block whose refcount is above 1, the 
 block, the bytes are copied in every device pool, and AppendResult.copies says (old, new). The last
 holder of a shared block writes in place, so a partly filled block shared by a fork is copied once.
 
-Prefix caching (device only): a full block gets its chained hash when it is marked computed; a freed
-hashed block waits in the allocator's evictable LRU with its index entry until it is reused. Lookups
-never cover a prompt's last token, so the model always computes at least one token of a prompt.
+Prefix caching: a full block gets its chained hash when it is marked computed; a freed hashed block
+waits in the allocator's evictable LRU with its index entry until it is reused. Lookups never cover a
+prompt's last token, so the model always computes at least one token of a prompt.
+
+The host tier (host_cache_blocks > 0): a hashed device block that the LRU evicts is demoted, its
+bytes copied into a free host block that keeps its hash in a host index and waits in the host
+allocator's LRU, at most host_cache_blocks of them (the oldest makes room for the next). A lookup
+that misses on the device and hits there promotes the block: a fresh device block, the bytes copied
+back, the hash registered again; the host copy stays (a later demotion of the same hash copies
+nothing). Swapping comes first: a swap-out allocates host blocks as any allocation does, evicting
+host-tier blocks when no clean one is left, and a demotion never takes a block a sequence holds, so
+the tier lives only in host blocks no swapped request needs. Both copies happen inside the operation
+that causes them (before the evicted device block is written again), so they are part of the same
+deterministic log that a mirror and its replica replay.
 """
 
 from __future__ import annotations
@@ -70,8 +81,11 @@ class BlockStore:
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True, device_pools: Sequence[BlockPool] = (),
-                 host_pools: Sequence[BlockPool] = (), policy: AllocationPolicy | None = None):
-        if block_size <= 0 or num_device_blocks < 0 or num_host_blocks < 0:
+                 host_pools: Sequence[BlockPool] = (), policy: AllocationPolicy | None = None,
+                 host_cache_blocks: int = 0):
+        """host_cache_blocks: the most host blocks the host tier may keep (capped at the host pool;
+        0, or no prefix caching: no host tier)."""
+        if block_size <= 0 or num_device_blocks < 0 or num_host_blocks < 0 or host_cache_blocks < 0:
             raise ValueError("block_size must be positive and block counts non-negative")
         _check_pools(num_device_blocks, num_host_blocks, device_pools, host_pools)
         self.block_size = block_size
@@ -79,9 +93,13 @@ class BlockStore:
         self.device_pools = tuple(device_pools)
         self.host_pools = tuple(host_pools)
         self._index = PrefixIndex() if enable_prefix_caching and self.policy.prefix_caching else None
+        self.host_cache_blocks = min(host_cache_blocks, num_host_blocks) if self._index is not None else 0
+        self._host_index = PrefixIndex() if self.host_cache_blocks else None
+        self._evicted: list[tuple[int, bytes]] = []   # (device block, its hash) evicted, not yet demoted
         self._device = BlockAllocator(num_device_blocks,
-                                      on_evict=self._index.drop if self._index is not None else None)
-        self._host = BlockAllocator(num_host_blocks)
+                                      on_evict=self._evict_device if self._index is not None else None)
+        self._host = BlockAllocator(num_host_blocks,
+                                    on_evict=self._host_index.drop if self._host_index is not None else None)
         self._seqs: dict[int, SequenceTable] = {}
         self._counters = Counter()
         self._peak_device_used = 0
@@ -125,13 +143,14 @@ class BlockStore:
         tokens, extras = [int(t) for t in token_ids], tuple(extra_keys)
         reserve = self.policy.blocks_to_reserve(len(tokens), max_total_tokens, self.block_size)
         hashes: list[bytes] = []
-        hits: list[int] = []
+        hits: list[tuple[int, bool]] = []   # (block, on the host) of each leading cached block
         if self._index is not None:
             # Only blocks strictly before the last token: its logits must be computed.
             extend_hashes(hashes, tokens, self.block_size, (len(tokens) - 1) // self.block_size, extras)
-            hits = self._index.longest_prefix(hashes)
-        revived_from_lru = sum(1 for b in hits if self._device.refcount(b) == 0)
-        new = reserve - len(hits)
+            hits = self._lookup(hashes)
+        on_device = [b for b, host in hits if not host]
+        revived_from_lru = sum(1 for b in on_device if self._device.refcount(b) == 0)
+        new = reserve - len(on_device)   # promotions take new device blocks too
         if new > self._device.num_free - revived_from_lru:
             return AllocResult(False, 0, f"needs {new} new device blocks, "
                                          f"{self._device.num_free - revived_from_lru} free")
@@ -141,20 +160,94 @@ class BlockStore:
                 return AllocResult(False, 0, f"needs a run of {new} contiguous device blocks, the longest "
                                              f"free run is {max(self._device.free_runs(), default=0)}")
         else:
-            # Revive hits before allocating, else allocation could evict the very blocks we hit.
-            for b in hits:
-                self._device.incref(b)
-            blocks = hits + self._device.allocate(new)
+            # Revive device hits and hold host hits before allocating, else allocation could evict
+            # (or a demotion it causes replace) the very blocks we hit.
+            for b, host in hits:
+                self._alloc(HOST if host else DEVICE).incref(b)
+            fresh = iter(self._device_allocate(new))
+            blocks = [next(fresh) if host else b for b, host in hits]   # a host hit comes back in a new block
+            self._promote([(i, b, blocks[i]) for i, (b, host) in enumerate(hits) if host], hashes)
+            blocks += fresh
         self._seqs[seq_id] = SequenceTable(blocks=blocks, token_ids=tokens, extra_keys=extras,
                                            location=DEVICE, reserved_blocks=reserve, hashes=hashes,
                                            num_registered=len(hits),
                                            final_tokens=max_total_tokens or len(tokens))
-        cached = len(hits) * self.block_size
         if self._index is not None:
+            promoted = len(hits) - len(on_device)
             self._counters["prefix_queries_tokens"] += len(tokens)
-            self._counters["prefix_hit_tokens"] += cached
+            self._counters["prefix_hit_tokens"] += len(on_device) * self.block_size
+            if self._host_index is not None:   # vLLM asks its external tier for what the device missed
+                self._counters["host_queries_tokens"] += len(tokens) - len(on_device) * self.block_size
+                self._counters["host_hit_tokens"] += promoted * self.block_size
         self._note_peak()
-        return AllocResult(True, cached)
+        return AllocResult(True, len(hits) * self.block_size)
+
+    def _lookup(self, hashes: list[bytes]) -> list[tuple[int, bool]]:
+        """(block, on the host) for the longest run of leading hashes cached in either tier, the
+        device's copy first."""
+        hits = []
+        for h in hashes:
+            block = self._index.block_of(h)
+            if block is not None:
+                hits.append((block, False))
+                continue
+            block = self._host_index.block_of(h) if self._host_index is not None else None
+            if block is None:
+                break
+            hits.append((block, True))
+        return hits
+
+    # ---- the host tier -----------------------------------------------------------------------
+
+    def _evict_device(self, block: int) -> None:
+        """The device LRU hands out a hashed block: its hash leaves the device index; with a host
+        tier it waits to be demoted once the allocation that evicted it returns."""
+        if self._host_index is not None:
+            self._evicted.append((block, self._index.hash_of(block)))
+        self._index.drop(block)
+
+    def _device_allocate(self, n: int) -> list[int]:
+        """n device blocks (BlockAllocator.allocate), the hashed ones it evicted demoted before
+        anyone writes them."""
+        blocks = self._device.allocate(n)
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            self._demote(evicted)
+        return blocks
+
+    def _demote(self, evicted: list[tuple[int, bytes]]) -> None:
+        pairs = []   # (device block, host block)
+        for block, h in evicted:
+            if self._host_index.block_of(h) is not None:
+                continue   # its bytes are on the host already (it was promoted from there)
+            host = self._host_block_for_cache()
+            if host is None:
+                break      # every host block is held by a swapped sequence
+            self._host_index.register(host, h)
+            self._host.decref(host, keep_cached=True)   # free, the newest in the host LRU
+            pairs.append((block, host))
+        for dp, hp in zip(self.device_pools, self.host_pools):
+            copy_between(dp, hp, pairs)
+        self._counters["host_cache_demotions"] += len(pairs)
+
+    def _host_block_for_cache(self) -> int | None:
+        """A host block for the next demoted block (refcount 1), or None. A full tier replaces its
+        own oldest block; below its cap it takes a clean block, else the oldest cached one."""
+        if len(self._host_index) >= self.host_cache_blocks:
+            return self._host.reuse_oldest() if self._host.num_evictable else None
+        return self._host.allocate(1)[0] if self._host.num_free else None
+
+    def _promote(self, moves: list[tuple[int, int, int]], hashes: list[bytes]) -> None:
+        """moves: (logical index, host block, new device block) of each host hit; the host blocks
+        are held (refcount 1) by the caller. Copy each back, key it on the device, let the host
+        block go (the newest in the host LRU: it was just used)."""
+        pairs = [(host, dev) for _, host, dev in moves]
+        for hp, dp in zip(self.host_pools, self.device_pools):
+            copy_between(hp, dp, pairs)
+        for i, host, dev in moves:
+            self._index.register(dev, hashes[i])
+            self._host.decref(host, keep_cached=True)
+        self._counters["host_cache_promotions"] += len(moves)
 
     # ---- growth, copy-on-write, prefix registration ----------------------------------------
 
@@ -226,7 +319,7 @@ class BlockStore:
             return AppendResult(False, [], f"needs {len(cow) + new} device blocks "
                                            f"({len(cow)} copy-on-write), {free} free")
         copies = []
-        for i, dst in zip(cow, self._device.allocate(len(cow))):
+        for i, dst in zip(cow, self._device_allocate(len(cow))):
             src = blocks[i]
             self._device.decref(src, keep_cached=self._has_hash(src, DEVICE))  # others still hold it
             blocks[i] = dst
@@ -235,7 +328,7 @@ class BlockStore:
             for pool in self.device_pools:
                 copy_within(pool, copies)
             self._counters["cow_copies"] += len(copies)
-        blocks.extend(self._device.allocate(new))
+        blocks.extend(self._device_allocate(new))
         t.token_ids.extend([int(x) for x in token_ids])
         self._note_peak()
         return AppendResult(True, copies)
@@ -341,7 +434,7 @@ class BlockStore:
         refs = self._group_refs(tables)  # each shared block moves once, keeping its in-group count
         if len(refs) > dst.num_free:
             return SwapResult(False, [], f"needs {len(refs)} {dst_loc} blocks, {dst.num_free} free")
-        new_blocks = dst.allocate(len(refs))
+        new_blocks = self._device_allocate(len(refs)) if dst_loc == DEVICE else dst.allocate(len(refs))
         mapping = list(zip(refs, new_blocks))
         src_pools, dst_pools = ((self.device_pools, self.host_pools) if src_loc == DEVICE
                                 else (self.host_pools, self.device_pools))
@@ -438,12 +531,60 @@ class BlockStore:
             out[f"{loc}_token_slots_empty"] = alloc.num_used * self.block_size - slots
         out["device_blocks_evictable"] = self._device.num_evictable
         out["device_blocks_cached"] = len(self._index) if self._index is not None else 0
+        out["host_blocks_cached"] = len(self._host_index) if self._host_index is not None else 0
+        out["host_cache_blocks_max"] = self.host_cache_blocks
         out["device_blocks_peak_used"] = self._peak_device_used
         out["num_sequences"] = len(self._seqs)
-        for name in ("prefix_queries_tokens", "prefix_hit_tokens", "cow_copies",
+        for name in ("prefix_queries_tokens", "prefix_hit_tokens", "host_queries_tokens", "host_hit_tokens",
+                     "host_cache_demotions", "host_cache_promotions", "cow_copies",
                      "swap_outs", "swap_out_blocks", "swap_ins", "swap_in_blocks"):
             out[name] = self._counters[name]
         return out
+
+    @property
+    def host_cache_copies(self) -> int:
+        """Blocks copied between the tiers so far, either way (a step that copied any moves bytes)."""
+        return self._counters["host_cache_demotions"] + self._counters["host_cache_promotions"]
+
+    # ---- the state as data: a restarted scheduler's mirror is built from it ------------------
+
+    def snapshot(self) -> dict:
+        """Every piece of block state, no bytes and no counters, in plain lists (msgpack carries
+        them unchanged): a store restored from it answers every later operation as this one does."""
+        return {"device": self._device.snapshot(), "host": self._host.snapshot(),
+                "index": _index_rows(self._index), "host_index": _index_rows(self._host_index),
+                "seqs": [[seq_id, list(t.blocks), list(t.token_ids), wire_keys(t.extra_keys), t.location,
+                          t.reserved_blocks, list(t.hashes), t.num_registered, t.final_tokens]
+                         for seq_id, t in self._seqs.items()]}
+
+    def restore(self, snap: dict) -> None:
+        """Take a snapshot() of a store of the same shape (pools, block size, policy, tiers) into
+        this one, whose own state it replaces; ValueError (this store unchanged) when it is not
+        such a snapshot."""
+        before = self.snapshot()
+        try:
+            self._restore(snap)
+            self.check_invariants()
+        except (KeyError, TypeError, ValueError, AssertionError, AttributeError) as e:
+            self._restore(before)
+            raise ValueError(f"not a snapshot of this store: {e!r}") from None
+
+    def _restore(self, snap: dict) -> None:
+        self._device.restore(snap["device"])
+        self._host.restore(snap["host"])
+        for index, rows in ((self._index, snap["index"]), (self._host_index, snap["host_index"])):
+            if (index is None) != (rows is None):
+                raise ValueError("the snapshot's prefix caching or host tier is not this store's")
+            if index is not None:
+                index.clear()
+                for h, b in rows:
+                    if not index.register(b, bytes(h)):
+                        raise ValueError(f"block {b} or its hash is keyed twice")
+        self._seqs = {}
+        for seq_id, blocks, tokens, keys, location, reserved, hashes, registered, final in snap["seqs"]:
+            self._seqs[seq_id] = SequenceTable(list(blocks), list(tokens), tuple(keys), location, reserved,
+                                               [bytes(h) for h in hashes], registered, final)
+        self._evicted = []
 
     def kv_usage(self, waiting_tokens: int | None = None, waiting_final: int | None = None) -> dict[str, int]:
         """The device pool's token slots split as the paper's Fig. 2 (they sum to the pool):
@@ -519,9 +660,16 @@ class BlockStore:
                 has_hash = self._has_hash(b, loc)
                 if b in free:
                     _require(has_hash == (b in lru), f"{loc} block {b}: cached iff evictable")
-        if self._index is not None:
-            for h, b in self._index.items():
-                _require(self._index.hash_of(b) == h, f"index maps are not inverse at block {b}")
+                elif loc == HOST:
+                    _require(not has_hash, f"host block {b}: held by a sequence and in the host tier")
+        for index in (self._index, self._host_index):
+            for h, b in index.items() if index is not None else ():
+                _require(index.hash_of(b) == h, f"index maps are not inverse at block {b}")
+        if self._host_index is not None:
+            _require(len(self._host_index) <= self.host_cache_blocks,
+                     f"the host tier holds {len(self._host_index)} blocks, over its {self.host_cache_blocks}")
+        else:
+            _require(self._host.num_evictable == 0, "host blocks cached without a host tier")
 
     def _check_hashes(self, seq_id: int, t: SequenceTable) -> None:
         # A keyed block must hold exactly the tokens (and extras) its key names in this sequence.
@@ -557,7 +705,8 @@ class BlockStore:
         raise ValueError(f"location must be {DEVICE!r} or {HOST!r}, not {location!r}")
 
     def _has_hash(self, block: int, location: str) -> bool:
-        return location == DEVICE and self._index is not None and self._index.hash_of(block) is not None
+        index = self._index if location == DEVICE else self._host_index
+        return index is not None and index.hash_of(block) is not None
 
     @staticmethod
     def _group_refs(tables: list[SequenceTable]) -> Counter[int]:
@@ -569,6 +718,15 @@ class BlockStore:
 
     def _note_peak(self) -> None:
         self._peak_device_used = max(self._peak_device_used, self._device.num_used)
+
+
+def _index_rows(index: PrefixIndex | None) -> list | None:
+    return [[h, b] for h, b in index.items()] if index is not None else None
+
+
+def wire_keys(keys) -> list:
+    """Extra keys as msgpack gives them back (tuples become lists; the hash treats both alike)."""
+    return [wire_keys(k) if isinstance(k, (tuple, list)) else k for k in keys]
 
 
 def _require(cond: bool, msg: str) -> None:

@@ -77,6 +77,7 @@ class RequestRecord:
     error: str | None = None                # kind; None when it succeeded
     error_detail: str | None = None
     usage_missing: bool = False             # output_tokens counted from text events, a lower bound
+    cached_tokens: int | None = None        # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
 
     @classmethod
     def planned(cls, req: PlannedRequest) -> "RequestRecord":
@@ -241,6 +242,10 @@ def _take_usage(rec: RequestRecord, obj: dict) -> None:
         value = usage.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             setattr(rec, attr, value)
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        rec.cached_tokens = cached
 
 
 def _failed(rec: RequestRecord, kind: str, detail: str, now: float) -> RequestRecord:

@@ -189,6 +189,8 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
         interrupted = stop.is_set()
         stop.set()
         await scraping
+        if scraper.available:
+            await scraper.scrape_once()   # the counters after the last answer (prefix hits of the run)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -29,12 +29,31 @@ def summary_of(result: RunResult) -> dict:
         "max_concurrency": cfg.max_concurrency,
         "trace": cfg.trace,
         "fit": dataclasses.asdict(result.plan.fit),
+        "prefix_cache": prefix_cache_of(result.samples, result.plan.prefix_bound),
         "server": dataclasses.asdict(result.server),
         "metrics_available": result.metrics_available,
         "started_at": result.started_at,
         "notes": result.notes,
         "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"},
     }
+
+
+def prefix_cache_of(samples: list[dict], bound: float | None) -> dict:
+    """The server's prefix-cache hit rates over the run, in prompt tokens, from its counters at the
+    first and the last /metrics reading: the device's (vllm:prefix_cache_*), the host tier's
+    (vllm:external_prefix_cache_hits) and both, each as a share of all prompt tokens looked up,
+    beside `bound`, the rate a cache that never evicts would reach on the prompts sent
+    (workload.prefix_cache_bound)."""
+    def delta(series: str) -> float | None:
+        values = [s[series] for s in samples if s.get(series) is not None]
+        return values[-1] - values[0] if len(values) >= 2 else None
+    queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+    external = delta("external_prefix_cache_hits")
+    rate = (lambda n: n / queries if n is not None and queries else None)
+    return {"queries_tokens": queries, "device_hit_tokens": hits, "host_hit_tokens": external,
+            "device_hit_rate": rate(hits), "host_hit_rate": rate(external),
+            "hit_rate": rate((hits or 0) + (external or 0)) if hits is not None else None,
+            "infinite_cache_bound": bound}
 
 
 def write_run(out: Path, summary: dict, records: list) -> None:
@@ -105,6 +124,11 @@ def markdown(s: dict, result: RunResult, plots: list[str]) -> str:
         f"| total token throughput | {s['total_token_throughput']:.1f} tok/s |",
         f"| normalized latency | {s['mean_normalized_latency_s_per_token']:.4f} s/token |",
     ]
+    pc = s["prefix_cache"]
+    if pc["hit_rate"] is not None or pc["infinite_cache_bound"] is not None:
+        share = (lambda v: "-" if v is None else f"{100 * v:.1f} %")
+        lines.append(f"| prefix-cache hits (device + host of {share(pc['infinite_cache_bound'])} "
+                     f"with no eviction) | {share(pc['device_hit_rate'])} + {share(pc['host_hit_rate'])} |")
     if s["request_goodput"] is not None:
         slos = ", ".join(f"{k} <= {v:g} ms" for k, v in cfg.slos.items())
         lines.append(f"| goodput ({slos}) | {s['request_goodput']:.2f} req/s |")

@@ -22,6 +22,9 @@ SERIES = {
     "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
     "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"),
     "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"),
+    # The hits of a tier beside the device's (vLLM's CPU offloading and connectors, our host tier).
+    "external_prefix_cache_hits": ("vllm:external_prefix_cache_hits_total",),
+    "external_prefix_cache_queries": ("vllm:external_prefix_cache_queries_total",),
 }
 _WANTED = {name for names in SERIES.values() for name in names}
 

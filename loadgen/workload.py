@@ -178,6 +178,26 @@ class Plan:
     warmup: list[PlannedRequest]
     fit: Fit
     notes: list[str] = field(default_factory=list)
+    prefix_bound: float | None = None   # prefix_cache_bound of the requests (token-id prompts only)
+
+
+def prefix_cache_bound(prompts: list[list[int]], block_size: int) -> float:
+    """The prefix-cache hit rate, in prompt tokens, of a cache that never evicts, over these
+    prompts in this order, as a vLLM-like server counts it: only full blocks before a prompt's
+    last token can hit, and a block hits only if every block before it did (chained keys)."""
+    seen: set = set()
+    hits = total = 0
+    for ids in prompts:
+        total += len(ids)
+        key, hitting = None, True
+        for i in range((len(ids) - 1) // block_size):
+            key = (key, tuple(ids[i * block_size:(i + 1) * block_size]))
+            if hitting and key in seen:
+                hits += block_size
+            else:
+                hitting = False
+                seen.add(key)
+    return hits / total if total else 0.0
 
 
 def build_plan(trace: Trace, *, max_model_len: int, fit_mode: str, kv_block_size: int, seed: int,
@@ -225,4 +245,6 @@ def build_plan(trace: Trace, *, max_model_len: int, fit_mode: str, kv_block_size
         wrong = sum(n != p.input_len for n, p in zip(codec.counts([p.prompt for p in built]), built))
         if wrong:
             notes.append(f"{wrong} of {len(requests)} text prompts do not tokenize to their planned length")
-    return Plan(requests, warm, fit, notes)
+    ids = [p.prompt for p in requests]
+    bound = prefix_cache_bound(ids, kv_block_size) if all(type(i) is list for i in ids) else None
+    return Plan(requests, warm, fit, notes, bound)

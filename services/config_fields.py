@@ -141,6 +141,22 @@ def swap_space(default: float = 0.25):
     return opt(default, "GiB of host memory for swapped-out KV blocks", flag="--swap-space", check=_swap_check)
 
 
+def kv_offloading_size():
+    return opt(None, "GiB of host memory, over all tensor-parallel ranks, that keeps prefix blocks evicted "
+                     "from the device (the host tier, vLLM's spelling; default: the whole --swap-space, "
+                     "which swapped-out requests take first; 0: no host tier)",
+               flag="--kv-offloading-size", metavar="GIB",
+               check=lambda v: (v >= 0 and math.isfinite(v)) or "must be >= 0 and finite")
+
+
+def host_cache_blocks(config, host_blocks: int, block_bytes: int, tp_size: int = 1) -> int:
+    """Host blocks (per rank) of the host tier that --kv-offloading-size asks for, at most the host
+    pool's host_blocks; block_bytes is one rank's block."""
+    if config.kv_offloading_size is None:
+        return host_blocks
+    return min(host_blocks, int(config.kv_offloading_size * (1 << 30)) // (block_bytes * tp_size))
+
+
 def num_device_blocks():
     return opt(None, "device KV blocks, overriding every sizing", flag="--num-gpu-blocks-override",
                aliases=["--num-device-blocks"], check=at_least(1))

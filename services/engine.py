@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvstore.allocator import make_policy
 from kvstore.pool import BlockPool, unique_pool_name
 from kvstore.store import BlockStore
+from services import config_fields as cf
 from services.engine_config import ConfigError, EngineConfig
 from services.router.detokenizer import without_cut_character
 from services.scheduler.request import Request
@@ -80,7 +81,8 @@ class Engine:
         self.store = BlockStore(num_device, num_host, config.block_size,
                                 enable_prefix_caching=config.enable_prefix_caching,
                                 device_pools=[self.device_pool], host_pools=[self.host_pool],
-                                policy=make_policy(config.allocation, self.max_model_len))
+                                policy=make_policy(config.allocation, self.max_model_len),
+                                host_cache_blocks=cf.host_cache_blocks(config, num_host, block_bytes))
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
                                   self.dtype, config.device)
         tokenizer = self.tokenizer

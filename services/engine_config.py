@@ -22,6 +22,7 @@ class EngineConfig:
     gpu_memory_utilization: float = cf.gpu_memory_utilization()   # the served stack's; the engine sizes by memory
     swap_space_gib: float = cf.swap_space()
     num_host_blocks: int | None = opt(None, "host KV blocks (default: from --swap-space)", check=at_least(0))
+    kv_offloading_size: float | None = cf.kv_offloading_size()
     preemption_mode: str = cf.preemption_mode()
     enable_prefix_caching: bool = opt(True, "find full KV blocks again by the hash of their tokens",
                                       aliases=["--prefix-caching"])

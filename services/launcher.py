@@ -47,6 +47,7 @@ class Config(RouterOptions):
     gpu_memory_utilization: float = cf.gpu_memory_utilization()
     block_size: int = cf.block_size()
     swap_space_gib: float = cf.swap_space()
+    kv_offloading_size: float | None = cf.kv_offloading_size()
     preemption_mode: str = cf.preemption_mode()
     tensor_parallel: int = opt(1, "tensor-parallel ranks (one worker process each)", flag="--tensor-parallel-size",
                                aliases=["--tensor-parallel", "-tp"], check=at_least(1))
@@ -136,6 +137,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     py = [sys.executable, "-m"]
     procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, *device_pool,
                                "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
+                               "--host-cache-blocks",
+                               str(cf.host_cache_blocks(cfg, host_blocks, block_bytes, cfg.tensor_parallel)),
                                "--block-bytes", str(block_bytes), "--tp-size", str(cfg.tensor_parallel),
                                "--device", cfg.device, "--allocation", cfg.allocation,
                                "--max-model-len", str(spec.max_model_len)]

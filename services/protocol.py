@@ -13,7 +13,8 @@ message where there is someone to answer, and carry on.
 Sockets and who talks (tcp or ipc endpoints, all on loopback in tests):
   router    --DEALER--> scheduler ROUTER   AddRequest, AbortRequest, GetStats, Ping
   scheduler --ROUTER--> router             RequestUpdates (one per router per step), Error, StatsReply, Pong
-  scheduler --DEALER--> kvstore ROUTER     ResetStore, ApplyOps, GetPoolInfo, GetStats, Ping -> Pong, ApplyOpsReply, PoolInfo, StatsReply, Pong
+  scheduler --DEALER--> kvstore ROUTER     ResumeStore, ResetStore, ApplyOps, GetPoolInfo, GetStats, Ping
+                                           -> StoreSnapshot, Pong, ApplyOpsReply, PoolInfo, StatsReply, Pong
   scheduler --DEALER--> worker ROUTER      ExecuteStep, Ping -> StepResult, Pong (rank 0 answers for the group)
   worker    --DEALER--> kvstore ROUTER     GetPoolInfo, ReportMemory -> PoolInfo (or a 503 while it sizes), Pong
 """
@@ -35,7 +36,8 @@ VERSION = 6   # 2: ExecuteStep.seqs and StepResult.results as columns, nested me
 #             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
 #             5: sampling params carry structured_outputs (AddRequest, ExecuteStep.new_params)
 #             6: RequestUpdate's final phases (queued_s, ..., num_preemptions), GetStats.router_id,
-#                Pong.sender names the scheduler's replica
+#                Pong.sender names the scheduler's replica; the host tier (PoolInfo.host_cache_blocks),
+#                ResumeStore -> StoreSnapshot
 
 
 class ProtocolError(ValueError):
@@ -171,13 +173,29 @@ class PoolInfo:
     ipc_handles: list = field(default_factory=list)   # CUDA only: pickled IPC handles per rank
     event_handles: list = field(default_factory=list) # CUDA only: the copies_done event per rank
     step_event_handles: list = field(default_factory=list)   # CUDA only: the step_done event per rank
+    host_cache_blocks: int = 0           # the host tier's most blocks (0: none); the mirror runs it too
 
 
 @dataclass
 class ResetStore:
-    """A (re)started scheduler's first word to its kvstore: forget every sequence and step number.
-    Its mirror starts empty, so the replica must too; pools, and the workers' mappings, stay."""
+    """A scheduler whose mirror diverged from the replica: forget every sequence, the cache and the
+    step number. Its mirror starts empty, so the replica must too; pools, and the workers'
+    mappings, stay."""
     sender: str = ""
+
+
+@dataclass
+class ResumeStore:
+    """A (re)started scheduler's first word to its kvstore: free every sequence of the scheduler
+    before it (their full hashed blocks stay cached), forget step numbers, and answer with the
+    store's state, from which the new scheduler builds its mirror: the cache outlives it."""
+    sender: str = ""
+
+
+@dataclass
+class StoreSnapshot:
+    snapshot: dict                       # kvstore.store.BlockStore.snapshot(): no bytes
+    released: int = 0                    # sequences of the scheduler before that were freed
 
 
 @dataclass
@@ -248,7 +266,7 @@ class StepResult:
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Ping, Pong, Error, AddRequest, AbortRequest, RequestUpdate, RequestUpdates, GetStats, StatsReply,
-    GetPoolInfo, ReportMemory, PoolInfo, ResetStore, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
+    GetPoolInfo, ReportMemory, PoolInfo, ResetStore, ResumeStore, StoreSnapshot, ApplyOps, ApplyOpsReply, ExecuteStep, StepResult)}
 _NESTED = {"outputs": CompletionDelta, "updates": RequestUpdate}
 _COLUMNS = {(ExecuteStep, "seqs"): SeqWork, (StepResult, "results"): SampleResult,   # sent as columns
             (RequestUpdates, "tokens"): TokenDelta}

@@ -4,13 +4,15 @@ stops everything, reaping every descendant.
 Owns the child processes, nothing else. What restarts what:
 - a worker rank (dead, or stuck: its heartbeat is silent or reports no progress): every rank (a
   tensor-parallel group cannot take a new member). The scheduler fails the requests that were
-  running (the connection drop, or the heartbeat, tells it within seconds) and resets both block
-  stores once the new worker answers.
+  running (the connection drop, or the heartbeat, tells it within seconds) and, once the new
+  worker answers, rebuilds its mirror from the kvstore's state (the kvstore frees what ran and
+  keeps its cache).
 - the kvstore: the kvstore, then the workers: their mapping is of the dead kvstore's pools, and a
   worker writing there while the new kvstore copies blocks in its own pools would serve garbage.
   The scheduler sees new pool names, fails what ran and starts its mirror over.
-- the scheduler: only itself. It resets the kvstore at start; the routers see the connection drop
-  and fail what they were waiting for.
+- the scheduler: only itself. At start it resumes from the kvstore (ResumeStore: what the dead one
+  held is freed, the prefix cache kept); the routers see the connection drop and fail what they
+  were waiting for.
 - a router: only itself; the others keep serving.
 A restart waits a backoff (0.5 s, doubling to 8 s) that resets once the new process answers; a
 process that fails `max_restarts` times in a row without ever answering ends the launcher.

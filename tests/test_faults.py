@@ -73,19 +73,40 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait(30)
 
 
-def test_restarted_scheduler_resets_the_kvstore_and_serves_again(tiny_llama, tmp_path):
-    """A scheduler killed outright and started again against the same kvstore and worker: its
-    empty mirror and the kvstore agree again (ResetStore), and it serves the same tokens."""
+def engine_stats(sock: zmq.Socket) -> dict:
+    sock.send_multipart(protocol.encode(protocol.GetStats()))
+    while True:
+        assert sock.poll(10000), "no StatsReply"
+        msg = protocol.decode(sock.recv_multipart())
+        if isinstance(msg, protocol.StatsReply):
+            return msg.stats
+
+
+def test_restarted_scheduler_resumes_from_the_kvstore_and_hits_the_cache(tiny_llama, tmp_path):
+    """A scheduler killed outright, a long request in flight, and started again against the same
+    kvstore and worker: the kvstore frees what the dead one held, the new mirror is built from the
+    kvstore's state (ResumeStore), and the same prompt hits the prefix cached before the kill."""
     procs, sched = engine_processes(tiny_llama, tmp_path)
     try:
         sock = connect_when_ready(sched, procs)
         first = run_to_end(sock, "before", 20)
+        hits_before = engine_stats(sock)["prefix_cache_hits"]
+        params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True).to_dict()
+        sock.send_multipart(protocol.encode(protocol.AddRequest("in-flight", list(range(50, 90)), params)))
+        while not isinstance(protocol.decode(sock.recv_multipart()), protocol.RequestUpdates):
+            assert sock.poll(30000)
+        assert engine_stats(sock)["kv"]["num_sequences"] == 1
         sock.close()
         procs[2].kill()
         procs[2].wait()
         procs[2] = start_scheduler(tiny_llama, sched, *(f"ipc://{tmp_path}/{n}.sock" for n in ("kv", "worker")))
         sock = connect_when_ready(sched, procs)
+        kv = engine_stats(sock)["kv"]
+        assert kv["num_sequences"] == 0 and kv["device_blocks_used"] == 0   # the request in flight was freed
+        assert kv["device_blocks_cached"] >= 1
         assert run_to_end(sock, "after", 20) == first
+        # The 30-token prompt's first block (16 tokens) was cached before the kill: a hit now.
+        assert engine_stats(sock)["prefix_cache_hits"] == hits_before + 16
         sock.close()
     finally:
         stop(procs)

@@ -31,6 +31,8 @@ BODIES = {
     "not_sse": b"<html>hello</html>",
     "list_event": sse(TOKEN) + b'data: ["usage"]\n\n',
     "cut": sse(TOKEN) + b'data: {"id": "c", "choi',
+    "cached": sse(TOKEN) + sse(dict(USAGE, usage={"prompt_tokens": 40, "completion_tokens": 1,
+                                                  "prompt_tokens_details": {"cached_tokens": 32}})) + sse(b"[DONE]"),
 }
 
 
@@ -84,6 +86,13 @@ def test_legal_streams_complete(mode):
     assert rec.ok, (rec.error, rec.error_detail)
     assert rec.output_tokens == 4 and rec.prompt_tokens == 3 and len(rec.token_times) == 4
     assert not rec.usage_missing and rec.ttft is not None
+
+
+def test_the_prefix_cache_hits_of_a_request_come_from_its_usage():
+    rec, _ = asyncio.run(run_one("cached"))
+    assert rec.ok and rec.prompt_tokens == 40 and rec.cached_tokens == 32
+    rec, _ = asyncio.run(run_one("plain"))
+    assert rec.cached_tokens is None
 
 
 def test_a_stream_without_usage_counts_events_and_says_so():

@@ -15,7 +15,8 @@ from loadgen.metrics import summarize, timeline
 from loadgen.scrape import parse_metrics
 from loadgen.sweep import auto_rates, sustained_rate
 from loadgen.traces import SHIPPED, Trace, TraceError, TraceRequest, load_trace
-from loadgen.workload import Prompts, build_plan, fit_to_context, poisson_arrivals, trace_arrivals
+from loadgen.workload import (Prompts, build_plan, fit_to_context, poisson_arrivals, prefix_cache_bound,
+                              trace_arrivals)
 from services.flags import ConfigError, from_args
 
 
@@ -216,6 +217,31 @@ def test_equal_hash_ids_give_equal_blocks_and_different_ids_different_ones():
     assert plan.requests[2].prompt[:512] == a[:512] and plan.requests[2].prompt[512:700] != a[512:700]
     assert plan.requests[3].prompt[:300] != a[:300]
     assert [r.prefix_blocks for r in plan.requests] == [3, 3, 2, 1]
+
+
+def test_the_infinite_cache_bound_counts_chained_full_blocks_before_the_last_token():
+    a = list(range(40))                      # 2 full blocks of 16 before its last token
+    assert prefix_cache_bound([a], 16) == 0.0
+    assert prefix_cache_bound([a, a], 16) == 32 / 80
+    b = a[:16] + [99] * 24                   # shares block 0 only
+    c = [7] * 16 + a[16:]                    # block 1's tokens after another block 0: no hit
+    assert prefix_cache_bound([a, b, c], 16) == 16 / 120
+    assert prefix_cache_bound([a[:32], a[:32]], 16) == 16 / 64   # the last token's block is computed
+    hashes = [[0, 1, 2], [0, 1, 5], [0, 9], [4]]
+    plan = _plan(_trace([(1300, 4), (1400, 4), (700, 4), (300, 4)], block=512, hashes=hashes))
+    # Request 1 hits blocks 0-1 (1024 tokens), request 2 block 0 (512); 16-token KV blocks.
+    assert plan.prefix_bound == pytest.approx((1024 + 512) / (1300 + 1400 + 700 + 300))
+
+
+def test_the_prefix_cache_summary_takes_the_counters_over_the_run():
+    from loadgen.report import prefix_cache_of
+    samples = [{"prefix_cache_queries": 100.0, "prefix_cache_hits": 10.0, "external_prefix_cache_hits": 0.0},
+               {"prefix_cache_queries": None, "prefix_cache_hits": None, "external_prefix_cache_hits": None},
+               {"prefix_cache_queries": 1100.0, "prefix_cache_hits": 310.0, "external_prefix_cache_hits": 200.0}]
+    pc = prefix_cache_of(samples, 0.6)
+    assert (pc["device_hit_rate"], pc["host_hit_rate"], pc["hit_rate"]) == (0.3, 0.2, 0.5)
+    assert pc["infinite_cache_bound"] == 0.6
+    assert prefix_cache_of(samples[:1], None)["hit_rate"] is None   # one reading: no rate
 
 
 def test_requests_without_hash_ids_share_nothing_and_the_seed_fixes_everything():

@@ -25,7 +25,8 @@ VLLM_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--max-mod
               "--swap-space", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
               "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
               "--preemption-mode", "--tensor-parallel-size", "--max-queued-requests", "--shutdown-timeout",
-              "--routers", "--redis-url", "--max-request-body-mb", "--max-queued-tokens", "--request-timeout"]
+              "--routers", "--redis-url", "--max-request-body-mb", "--max-queued-tokens", "--request-timeout",
+              "--kv-offloading-size"]
 UP_ALIASES = ["--model", "--tensor-parallel", "--num-device-blocks", "--kv-cache-memory", "--no-prefix-caching",
               "--device"]
 
@@ -96,6 +97,8 @@ def test_api_keys_from_the_environment(monkeypatch):
     (["--rate-limit-window", "inf"], "--rate-limit-window"),   # was a 500 at the first 429
     (["--request-timeout", "inf"], "--request-timeout"),
     (["--swap-space", "1e30"], "--swap-space"),      # was a traceback in the kvstore
+    (["--kv-offloading-size", "inf"], "--kv-offloading-size"),
+    (["--kv-offloading-size", "-1"], "--kv-offloading-size"),
 ])
 def test_bad_or_contradictory_flags_exit_2_with_one_line(capsys, argv, needle):
     code = main(["serve", *argv]) if "--bogus" not in argv else _exit_code(["serve", *argv])
@@ -162,6 +165,20 @@ def test_the_launcher_passes_its_router_settings_down(tmp_path, tiny_llama):
     assert (rcfg.api_keys, rcfg.max_queued_requests, rcfg.request_timeout_s, rcfg.allowed_origins,
             rcfg.served_model_name, rcfg.max_request_body_mb, rcfg.rate_limit) == \
         (["sk-secret"], 5, 30.0, ["https://a.example"], "tiny-x", 2.0, 9)
+
+
+@pytest.mark.parametrize("flags,tier", [((), "whole"), (("--kv-offloading-size", "0"), 0),
+                                        (("--kv-offloading-size", "0.001"), "size"),
+                                        (("--kv-offloading-size", "100"), "whole")])
+def test_the_host_tier_is_the_swap_space_unless_kv_offloading_size_says_less(tmp_path, tiny_llama, flags, tier):
+    cfg = serve(tiny_llama, "--swap-space", "0.01", *flags)
+    argv = dict(launcher.process_commands(cfg, tiny_llama, str(tmp_path)))["kvstore"]
+    parser = OneLineParser(prog="kvstore")
+    kvstore_service.add_arguments(parser)
+    kcfg = kvstore_service.config_from_args(parser.parse_args(argv[3:])).validate()
+    assert kcfg.num_host_blocks == int(0.01 * (1 << 30)) // kcfg.block_bytes > 0
+    want = {"whole": kcfg.num_host_blocks, "size": int(0.001 * (1 << 30)) // kcfg.block_bytes, 0: 0}[tier]
+    assert kcfg.host_cache_blocks == want
 
 
 def test_each_process_refuses_a_bad_flag_in_one_line():

@@ -170,6 +170,48 @@ def test_a_killed_scheduler_fails_its_requests_at_once_and_comes_back(stack):
     assert complete(stack) == stack.expected
 
 
+def metric(url: str, name: str) -> float:
+    """The value of one unlabelled-but-for-the-model series in a router's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_a_restarted_scheduler_finds_the_prefixes_cached_before_it_died(stack):
+    """The launcher restarts a killed scheduler; the kvstore keeps its cache (ResumeStore), so a
+    prompt seen before the kill is a prefix-cache hit after it (today's vLLM, and our reset, lose it)."""
+    wait_ready(stack.url)
+    prompt = "def allocate(self, n):\n" + "".join(f"    block_{i} = self.free.pop()\n" for i in range(12))
+    body = {"model": stack.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    hits = metric(stack.url, "vllm:prefix_cache_hits_total")
+    pid = one_pid(stack, "services.scheduler.service")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while one_pid_or_none(stack, "services.scheduler.service") in (None, pid):
+        assert time.monotonic() < deadline, "the scheduler was not restarted"
+        time.sleep(0.2)
+    wait_ready(stack.url)
+    again = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    prompt_tokens = again.json()["usage"]["prompt_tokens"]
+    assert metric(stack.url, "vllm:prefix_cache_hits_total") - hits == (prompt_tokens - 1) // 16 * 16 > 0
+    # The host tier is on by default (the whole --swap-space): it is asked for what the device
+    # missed, in tokens, as vLLM counts its external tiers (all of the first request at least).
+    assert metric(stack.url, "vllm:external_prefix_cache_queries_total") >= prompt_tokens
+    for name in ("vllm:external_prefix_cache_hits_total", "pagedserve:host_cache_demotions_total",
+                 "pagedserve:host_cache_promotions_total", "pagedserve:host_cache_bytes_copied_total"):
+        assert metric(stack.url, name) >= 0
+
+
+def one_pid_or_none(stack: Stack, module: str) -> int | None:
+    pids = role_pids(stack, module)
+    return pids[0] if len(pids) == 1 else None
+
+
 def test_a_killed_router_is_restarted_while_the_other_serves(stack):
     wait_ready(stack.urls[1])
     routers = role_pids(stack, "services.router.service")

@@ -200,10 +200,16 @@ ENGINE_SERIES = (
     ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
      "counter"),
     ("external_prefix_cache_queries", "vllm:external_prefix_cache_queries",
-     "Prefix cache queries of the host tier, in terms of number of queried tokens.", "counter"),
+     "Prompt tokens looked up in the host tier of the prefix cache (those the device missed).", "counter"),
     ("external_prefix_cache_hits", "vllm:external_prefix_cache_hits",
-     "Prefix cache hits of the host tier, in terms of number of cached tokens.", "counter"),
+     "Prompt tokens found in the host tier of the prefix cache (promoted to the device).", "counter"),
     ("num_requests_swapped", "pagedserve:num_requests_swapped", "Requests swapped out to host memory.", "gauge"),
+    ("host_cache_demotions", "pagedserve:host_cache_demotions",
+     "Prefix blocks evicted from the device and copied to the host tier.", "counter"),
+    ("host_cache_promotions", "pagedserve:host_cache_promotions",
+     "Host-tier blocks copied back to the device on a prefix hit.", "counter"),
+    ("host_cache_bytes_copied", "pagedserve:host_cache_bytes_copied",
+     "Bytes copied between the device and the host tier, both ways, all ranks.", "counter"),
 )
 # The scheduler core's counters (StatsReply["scheduler"]) rendered as ours.
 SCHEDULER_COUNTERS = (

@@ -105,16 +105,16 @@ class SchedulerService:
                                 on_wait=self._waiting_for_worker, guard=self.guard)
         self.draining = False
         info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
-        # The kvstore may have served an earlier scheduler of this replica (a restart): start both
-        # block stores, the mirror and the replica, from empty.
-        self.kv.reset("scheduler")
+        # The kvstore may have served an earlier scheduler of this replica (a restart): it frees
+        # what that one held and keeps the cache; the mirror starts from its state.
+        snapshot = self.kv.resume("scheduler")
         # The kvstore is pinged as well while the worker loads its model, or it would take the
         # silence for a scheduler that is gone.
         self._wait_for(lambda: (self.kv.ping("scheduler", 1.0),
                                 self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0)), "worker",
                        self.worker.endpoint)
         self.pool_info = info
-        self.mirror = self._new_mirror()
+        self.mirror = self._new_mirror(snapshot)
         max_len = context_length(config.max_model_len, spec)
         self.core = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                               config.preemption_mode, eos_token_ids=spec.eos_token_ids,
@@ -128,6 +128,7 @@ class SchedulerService:
         self.unpublished = None   # (requests, finished) of the last step, not yet sent to routers
         self.timing = StepStats()
         self.exporters = ExporterElection()   # which router exports this engine's series
+        self.host_copies_sent = self.mirror.host_cache_copies   # host-tier copies in the logs sent so far
         self.ready = True
         self.broken: str | None = None   # set when the kvstore diverged: reset at the next heartbeat
         self.last_beat = time.monotonic()
@@ -305,7 +306,10 @@ class SchedulerService:
             return None
         self.step_no += 1
         self.kv.send_apply(self.step_no, ops)
-        return expected, _moves_bytes(ops, expected)
+        copies = self.mirror.host_cache_copies
+        moved = _moves_bytes(ops, expected, copies - self.host_copies_sent)
+        self.host_copies_sent = copies
+        return expected, moved
 
     def _check_ops(self, pending) -> None:
         expected, _ = pending
@@ -355,34 +359,52 @@ class SchedulerService:
             self.fail_all("an engine process stopped answering")
         if ok and (not self.ready or self.broken):
             # Back after a silence (or a divergence): ops queued to the kvstore meanwhile may be lost,
-            # so the mirror and the kvstore's store cannot be trusted to agree. Every request has
-            # been failed; both start again from empty.
+            # so the mirror cannot be trusted to agree with the kvstore's store. Every request has
+            # been failed; the mirror is rebuilt from the kvstore's state (_resync_block_stores).
             self.fail_all("the engine was reset")
-            ok = self._reset_block_stores()
+            ok = self._resync_block_stores()
         self.ready = ok
         self._renew_lease()
 
-    def _new_mirror(self):
-        """The scheduler's bookkeeping-only copy of the kvstore's BlockStore, empty."""
+    def _new_mirror(self, snapshot: protocol.StoreSnapshot | None = None):
+        """The scheduler's bookkeeping-only copy of the kvstore's BlockStore: empty, or the state
+        of the kvstore's store (a resume)."""
         from kvstore.replay import RecordingStore
         from kvstore.allocator import make_policy
         from kvstore.store import BlockStore
         info = self.pool_info
-        return RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
-                                         enable_prefix_caching=info.enable_prefix_caching,
-                                         policy=make_policy(info.allocation, info.max_model_len)))
+        mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
+                                           enable_prefix_caching=info.enable_prefix_caching,
+                                           policy=make_policy(info.allocation, info.max_model_len),
+                                           host_cache_blocks=info.host_cache_blocks))
+        if snapshot is not None:
+            mirror.restore(snapshot.snapshot)   # ValueError: a kvstore that is not the one described
+            log.info("mirror built from the kvstore's state: %d sequences of the scheduler before freed, "
+                     "%d device + %d host blocks cached", snapshot.released,
+                     mirror.stats()["device_blocks_cached"], mirror.stats()["host_blocks_cached"])
+        return mirror
 
-    def _reset_block_stores(self) -> bool:
+    def _resync_block_stores(self) -> bool:
+        """Both block stores agree again. After a divergence the kvstore's state is suspect (its
+        hashed blocks may not hold what their keys say): both start from empty (ResetStore).
+        Otherwise the kvstore is the authority: it frees what ran, keeps its cache, and the mirror
+        is rebuilt from its state (ResumeStore), as at start."""
         try:
-            self.kv.reset("scheduler")
+            if self.broken:
+                self.kv.reset("scheduler")
+                snapshot = None
+            else:
+                snapshot = self.kv.resume("scheduler")
         except (PeerTimeout, KVStoreError) as e:
-            log.error("could not reset the kvstore: %s", e)
+            log.error("could not resynchronize with the kvstore: %s", e)
             return False
-        self.mirror = self.core.store = self._new_mirror()
-        self.step_no = 0                   # a reset kvstore takes step 1 next (it applies them in order)
+        self.mirror = self.core.store = self._new_mirror(snapshot)
+        self.host_copies_sent = self.mirror.host_cache_copies
+        self.step_no = 0                   # the kvstore takes step 1 next (it applies them in order)
         self.workers_view.forget_all()     # the worker drops its tables and params with the next step
+        log.warning("block stores %s", "reset: the scheduler's mirror and the kvstore start from empty"
+                    if self.broken else "resynchronized from the kvstore's state (its cache kept)")
         self.broken = None
-        log.warning("block stores reset: the scheduler's mirror and the kvstore start from empty")
         return True
 
     def _renew_lease(self) -> None:
@@ -415,7 +437,12 @@ class SchedulerService:
                 "num_requests_swapped": len(self.core.swapped),
                 "kv_cache_usage_perc": kv.get("device_blocks_used", 0) / total,
                 "num_preemptions": s["preemptions"], "prefix_cache_queries": kv.get("prefix_queries_tokens", 0),
-                "prefix_cache_hits": kv.get("prefix_hit_tokens", 0), "scheduler": dict(s),
+                "prefix_cache_hits": kv.get("prefix_hit_tokens", 0),
+                "external_prefix_cache_queries": kv.get("host_queries_tokens", 0),
+                "external_prefix_cache_hits": kv.get("host_hit_tokens", 0),
+                "host_cache_demotions": kv.get("host_cache_demotions", 0),
+                "host_cache_promotions": kv.get("host_cache_promotions", 0),
+                "host_cache_bytes_copied": kv.get("host_cache_bytes_copied", 0), "scheduler": dict(s),
                 "kv": {**kv, "kv_breakdown": self.core.kv_breakdown()},
                 "engine": self.config.replica_id, "steps": self.timing.snapshot(),
                 "cache_config": self._cache_config()}
@@ -429,9 +456,10 @@ class SchedulerService:
                 "preemption_mode": self.config.preemption_mode}
 
 
-def _moves_bytes(ops: list[list], results: list) -> bool:
-    """Whether replaying these ops copies block bytes (swaps, or appends that copied on write)."""
-    return any(op[0] in ("swap_out", "swap_in") or (op[0] in ("append_slots", "append_tokens") and r[1])
+def _moves_bytes(ops: list[list], results: list, host_copies: int = 0) -> bool:
+    """Whether replaying these ops copies block bytes (swaps, appends that copied on write, or
+    host_copies blocks demoted or promoted: a demoted block is written again in this very step)."""
+    return host_copies > 0 or any(op[0] in ("swap_out", "swap_in") or (op[0] in ("append_slots", "append_tokens") and r[1])
                for op, r in zip(ops, results))
 
 

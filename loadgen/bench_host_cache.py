@@ -1,0 +1,148 @@
+"""The host tier of the prefix cache, measured on the Mooncake conversation trace (issue 14).
+
+One stack (`pagedserve up`), the same device pool, four runs of the same replay:
+  none     no prefix caching
+  device   device-only prefix caching (--kv-offloading-size 0)
+  host     device + host tier, the host pool --host-ratio times the device pool
+  restart  as host, with the scheduler SIGKILLed once half the requests have been sent (the
+           launcher restarts it; the kvstore keeps the cache)
+
+    python -m loadgen.bench_host_cache --model DIR [--device-blocks 512] [--host-ratio 4] \\
+        [--rate 1] [--num-requests 400] [--out bench-host-cache] [--runs none,device,host,restart]
+
+Per run: the server's prefix hit rate per tier (its counters over the run), the infinite-cache
+bound of the prompts sent (loadgen.workload.prefix_cache_bound), prefill tokens saved, TTFT mean
+and p99, output throughput; for the restart run, the hit rate (each request's usage.cached_tokens)
+of the 100 requests sent before the kill and of the first 100 served after it. Each run's full
+loadgen report goes to OUT/NAME/. The model wants a context long enough that a scaled trace block
+still holds whole KV blocks (4k-8k; README: "The host tier, measured").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+RUNS = {"none": ["--no-enable-prefix-caching", "--kv-offloading-size", "0"],
+        "device": ["--kv-offloading-size", "0"],
+        "host": [], "restart": []}
+
+
+def scheduler_pid(stack) -> int | None:
+    from loadgen.stack import alive, children_of
+    for pid in children_of(stack.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"services.scheduler.service" in argv and alive(pid):
+            return pid
+    return None
+
+
+def window_hit_rate(records: list) -> float | None:
+    prompt = sum(r.prompt_tokens or 0 for r in records)
+    return sum(r.cached_tokens or 0 for r in records) / prompt if prompt else None
+
+
+def around_restart(records: list, killed_at: float, n: int = 100) -> tuple[float | None, float | None]:
+    """Hit rates of the last n requests sent before the kill and of the first n served after the
+    restart (sent after the last request the kill failed)."""
+    ok = sorted((r for r in records if r.ok), key=lambda r: r.send)
+    cut = max((r.send for r in records if not r.ok), default=killed_at)
+    before = [r for r in ok if r.send < killed_at][-n:]
+    after = [r for r in ok if r.send > max(cut, killed_at)][:n]
+    return window_hit_rate(before), window_hit_rate(after)
+
+
+def run_one(name: str, args, swap_gib: float) -> dict:
+    from loadgen.config import ReplayConfig
+    from loadgen.replay import replay
+    from loadgen.report import write_outputs
+    from loadgen.stack import Stack
+    stack = Stack(args.model, "--num-device-blocks", str(args.device_blocks), "--swap-space", f"{swap_gib:.9f}",
+                  "--max-num-batched-tokens", str(args.max_num_batched_tokens), *RUNS[name])
+    killed: list[float] = []
+    try:
+        cfg = ReplayConfig(url=stack.url, trace="mooncake-conversation", rate=args.rate,
+                           num_requests=args.num_requests, seed=args.seed, kv_block_size=16,
+                           out=str(Path(args.out) / name), progress=False, label=name)
+        timer = None
+        if name == "restart":
+            start = time.perf_counter()
+
+            def kill() -> None:
+                pid = scheduler_pid(stack)
+                if pid is not None:
+                    killed.append(time.perf_counter() - start)
+                    os.kill(pid, signal.SIGKILL)
+            timer = threading.Timer(args.num_requests / args.rate / 2, kill)
+            timer.start()
+        result = replay(cfg)
+        if timer is not None:
+            timer.cancel()
+        summary = write_outputs(result, cfg.out)
+    finally:
+        stack.stop()
+    pc = summary["prefix_cache"]
+    row = {"run": name, "completed": summary["completed"], "failed": summary["failed"],
+           "device_hit_rate": pc["device_hit_rate"], "host_hit_rate": pc["host_hit_rate"],
+           "hit_rate": pc["hit_rate"], "bound": pc["infinite_cache_bound"],
+           "prefill_saved": (pc["device_hit_tokens"] or 0) + (pc["host_hit_tokens"] or 0),
+           "mean_ttft_ms": summary["mean_ttft_ms"], "p99_ttft_ms": summary["p99_ttft_ms"],
+           "output_throughput": summary["output_throughput"]}
+    if killed:
+        row["before_restart"], row["after_restart"] = around_restart(result.records, killed[0])
+    return row
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f} %"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | done / failed | hits device + host = all | bound (no eviction) | prefill tokens saved "
+             "| TTFT mean / p99 ms | output tok/s | hit rate 100 before / after the restart |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        around = f"{pct(r['before_restart'])} / {pct(r['after_restart'])}" if "before_restart" in r else ""
+        lines.append(f"| {r['run']} | {r['completed']} / {r['failed']} | {pct(r['device_hit_rate'])} + "
+                     f"{pct(r['host_hit_rate'])} = {pct(r['hit_rate'])} | {pct(r['bound'])} | {r['prefill_saved']:.0f} "
+                     f"| {r['mean_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | {r['output_throughput']:.1f} | {around} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a local model folder (a 4k-8k context)")
+    ap.add_argument("--device-blocks", type=int, default=512)
+    ap.add_argument("--host-ratio", type=float, default=4.0, help="host pool / device pool, in blocks")
+    ap.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
+    ap.add_argument("--num-requests", type=int, default=400)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", default="none,device,host,restart")
+    ap.add_argument("--out", default="bench-host-cache")
+    args = ap.parse_args(argv)
+    runs = args.runs.split(",")
+    if not set(runs) <= set(RUNS):
+        ap.error(f"--runs: each of {', '.join(RUNS)}")
+    import torch
+    from services.worker.model_loader import inspect_model_dir
+    _, spec = inspect_model_dir(args.model)
+    block_bytes = spec.block_bytes(16, torch.float32)
+    # The launcher makes int(GiB * 2^30) // block_bytes host blocks: half a block more keeps the count.
+    swap_gib = (args.host_ratio * args.device_blocks + 0.5) * block_bytes / (1 << 30)
+    rows = [run_one(name, args, swap_gib) for name in runs]
+    text = table(rows)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
