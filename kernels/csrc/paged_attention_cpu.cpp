@@ -1,0 +1,260 @@
+// CPU paged attention that reads K/V where the block tables say they are: no gather, no copy of
+// the context. Registered as torch.ops.pagedserve_cpu.paged_attention (kernels/cpu_ops.py builds
+// it on first use). Semantics are kernels/reference.py's paged_attention.
+//
+// One work item is (sequence, query tile, kv head): the tile's query positions times the G query
+// heads that share the kv head are its rows, so each key/value row read from the cache serves all
+// of them. Keys are visited block by block through the table, with an online softmax (running
+// max m, running sum l, unnormalised accumulator acc per row: flash-decoding), so nothing the size
+// of the context is ever materialised. Every product is accumulated in float32 whatever the cache
+// dtype. The causal limit of a row is a prefix of each block, so no mask is built.
+//
+// Only portable flags are assumed (kernels/cpu_ops.py adds -march=native where the compiler has
+// it): the inner loops are plain loops over the head dimension, vectorised by the compiler under
+// `#pragma omp simd` (-fopenmp-simd: no OpenMP runtime; threads are ATen's, via at::parallel_for,
+// so torch.set_num_threads governs them).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (a score minus its running max), Cephes' single-precision polynomial: ~1 ulp,
+// branch-free so the loop calling it vectorises (std::exp would be a scalar libm call per score).
+// Below -87 the result is ~1e-38 rather than 0, which vanishes next to the row sum (>= 1).
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  // n = round(x / ln2) for x <= 0 (truncation of a negative number rounds toward zero)
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+struct Geometry {
+  int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, group;
+  int64_t q_s0, q_s1, out_s0, out_s1;       // [T, Hq, D] strides (D stride is 1)
+  int64_t c_s0, c_s1, c_s2;                 // cache [N, B, Hkv, D] strides, shared by K and V
+  int64_t table_s0;
+  float scale;
+};
+
+// Query positions per work item: rows = TILE * G stay few enough that their accumulators
+// ([rows, D] floats) live in L1 next to one block of K and V.
+constexpr int64_t kQueryTile = 16;
+
+template <typename T>
+void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
+                 const int32_t* table, int64_t seq, int64_t kv_head, int64_t q_first,
+                 int64_t num_q, int64_t pos_first, T* out, std::vector<float>& buf) {
+  const int64_t D = g.head_dim, B = g.block_size, G = g.group;
+  const int64_t rows = num_q * G;  // row r: query (q_first + r / G), head (kv_head * G + r % G)
+  buf.resize(static_cast<size_t>(rows * D * 2 + rows * 2 + B * 2 + 2 * B * D));
+  float* qf = buf.data();          // [rows, D] scaled queries
+  float* acc = qf + rows * D;      // [rows, D]
+  float* m = acc + rows * D;       // [rows] running max
+  float* l = m + rows;             // [rows] running sum
+  float* score = l + rows;         // [B]
+  float* kbuf = score + 2 * B;     // [B, D] one block of K in float (non-float caches)
+  float* vbuf = kbuf + B * D;      // [B, D]
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + (q_first + r / G) * g.q_s0 + (kv_head * G + r % G) * g.q_s1;
+    for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * g.scale;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+
+  const int64_t kv_end = pos_first + num_q;  // the last row sees keys [0, kv_end)
+  const int64_t num_blocks = (kv_end + B - 1) / B;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t base = b * B;
+    const int64_t n = std::min(B, kv_end - base);
+    const int64_t off = static_cast<int64_t>(table[seq * g.table_s0 + b]) * g.c_s0 + kv_head * g.c_s2;
+    const float* kb;
+    const float* vb;
+    int64_t kv_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k_cache + off;
+      vb = v_cache + off;
+      kv_stride = g.c_s1;
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* ks = k_cache + off + t * g.c_s1;
+        const T* vs = v_cache + off + t * g.c_s1;
+        for (int64_t i = 0; i < D; ++i) {
+          kbuf[t * D + i] = to_float(ks[i]);
+          vbuf[t * D + i] = to_float(vs[i]);
+        }
+      }
+      kb = kbuf;
+      vb = vbuf;
+      kv_stride = D;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // Row r's query sits at pos_first + r / G and sees keys up to and including it.
+      const int64_t nr = std::min(n, pos_first + r / G + 1 - base);
+      if (nr <= 0) continue;
+      const float* qr = qf + r * D;
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < nr; ++t) {
+        score[t] = dot(qr, kb + t * kv_stride, D);
+        block_max = std::max(block_max, score[t]);
+      }
+      const float m_new = std::max(m[r], block_max);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < nr; ++t) {
+        score[t] = exp_nonpositive(score[t] - m_new);
+        sum += score[t];
+      }
+      float* ar = acc + r * D;
+      if (m_new > m[r]) {
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
+        l[r] *= alpha;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ar[i] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += sum;
+      for (int64_t t = 0; t < nr; ++t) {
+        const float p = score[t];
+        const float* vr = vb + t * kv_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ar[i] += p * vr[i];
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (q_first + r / G) * g.out_s0 + (kv_head * G + r % G) * g.out_s1;
+    const float inv = 1.0f / l[r];
+    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[r * D + i] * inv);
+  }
+}
+
+// q [T, Hq, D]; k_cache, v_cache [N, B, Hkv, D] (any stride(0), unit stride on D, same strides);
+// block_tables [S, max_blocks] int32; seq_lens [S] int32; query_start_loc [S+1] int32, or empty
+// for decode (one query per sequence, T == S). Returns [T, Hq, D] in q's dtype.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T, Hq, D], caches [N, B, Hkv, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must share shape and strides");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "unit stride on the head dimension");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt, "block tables and lengths are int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "contiguous tables and lengths");
+  Geometry g{};
+  g.num_seqs = seq_lens.size(0);
+  g.num_q_heads = q.size(1);
+  g.num_kv_heads = k_cache.size(2);
+  g.head_dim = q.size(2);
+  g.block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == g.head_dim, "q and cache head dims differ");
+  TORCH_CHECK(g.num_q_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  g.group = g.num_q_heads / g.num_kv_heads;
+  const bool decode = query_start_loc.numel() == 0;
+  TORCH_CHECK(decode ? q.size(0) == g.num_seqs : query_start_loc.numel() == g.num_seqs + 1,
+              "query_start_loc must have one entry per sequence plus one (or be empty for decode)");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  g.q_s0 = q.stride(0);
+  g.q_s1 = q.stride(1);
+  g.out_s0 = out.stride(0);
+  g.out_s1 = out.stride(1);
+  g.c_s0 = k_cache.stride(0);
+  g.c_s1 = k_cache.stride(1);
+  g.c_s2 = k_cache.stride(2);
+  g.table_s0 = block_tables.stride(0);
+  g.scale = static_cast<float>(scale);
+  if (q.size(0) == 0) return out;
+
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = decode ? nullptr : query_start_loc.data_ptr<int32_t>();
+  // Work items: (sequence, query tile) pairs, each run for every kv head.
+  std::vector<int64_t> item_seq, item_tile;
+  for (int64_t s = 0; s < g.num_seqs; ++s) {
+    const int64_t q_len = decode ? 1 : qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len <= lens[s], "sequence ", s, " has more queries than keys");
+    for (int64_t t = 0; t * kQueryTile < q_len; ++t) {
+      item_seq.push_back(s);
+      item_tile.push_back(t);
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * g.num_kv_heads;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int32_t* tp = block_tables.data_ptr<int32_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t pair = it / g.num_kv_heads, kv_head = it % g.num_kv_heads;
+        const int64_t s = item_seq[pair], tile = item_tile[pair];
+        const int64_t start = decode ? s : qsl[s];
+        const int64_t q_len = decode ? 1 : qsl[s + 1] - qsl[s];
+        const int64_t first = tile * kQueryTile;
+        const int64_t num_q = std::min(kQueryTile, q_len - first);
+        const int64_t pos_first = lens[s] - q_len + first;
+        attend_item<scalar_t>(g, qp, kp, vp, tp, s, kv_head, start + first, num_q, pos_first, op, buf);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
