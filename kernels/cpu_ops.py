@@ -65,7 +65,7 @@ def _compile_flags() -> list[str]:
     # -march=native is what makes the plain loops AVX-512 / NEON where the CPU has them; gcc and
     # clang accept it on x86_64 and aarch64. Elsewhere the build is portable -O3.
     native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64") else []
-    return ["-O3", "-fopenmp-simd", *native]
+    return ["-O3", *native]
 
 
 def _missing_tool() -> str | None:

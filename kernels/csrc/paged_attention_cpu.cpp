@@ -10,9 +10,9 @@
 // dtype. The causal limit of a row is a prefix of each block, so no mask is built.
 //
 // Only portable flags are assumed (kernels/cpu_ops.py adds -march=native where the compiler has
-// it): the inner loops are plain loops over the head dimension, vectorised by the compiler under
-// `#pragma omp simd` (-fopenmp-simd: no OpenMP runtime; threads are ATen's, via at::parallel_for,
-// so torch.set_num_threads governs them).
+// it): the inner loops are written on 16-float vector-extension types that gcc and clang lower to
+// AVX-512, AVX2, SSE or NEON. Threads are ATen's (at::parallel_for over work items), so
+// torch.set_num_threads governs them and no second OpenMP runtime is linked.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,34 +40,56 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// exp(x) for x <= 0 (a score minus its running max), Cephes' single-precision polynomial: ~1 ulp,
-// branch-free so the loop calling it vectorises (std::exp would be a scalar libm call per score).
-// Below -87 the result is ~1e-38 rather than 0, which vanishes next to the row sum (>= 1).
-#pragma omp declare simd
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // n = round(x / ln2) for x <= 0 (truncation of a negative number rounds toward zero)
-  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
-  float r = x - n * 0.693359375f;
+// 16 floats in GCC/Clang vector-extension types: one AVX-512 register, two AVX2 ones, four NEON
+// ones; the compiler lowers them to whatever -march allows, so no intrinsics tie us to one ISA.
+constexpr int64_t W = 16;
+typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
+typedef float vhalf __attribute__((vector_size(W / 2 * sizeof(float))));
+typedef float vquarter __attribute__((vector_size(W / 4 * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// Sum of the 16 lanes by halving (a tree of shuffles and adds, not 15 dependent scalar adds).
+inline float hsum(vfloat v) {
+  vhalf lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  lo += hi;
+  vquarter a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&lo) + sizeof(a), sizeof(b));
+  a += b;
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// exp(x) for x <= 0 (a score minus its running max), lane-wise: Cephes' single-precision
+// polynomial, ~1 ulp. Below -87 the result is ~1e-38 rather than 0, which vanishes next to the
+// row's sum (>= 1).
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  // n = round(x / ln2): truncation rounds a negative number toward zero, hence the -0.5
+  const vint ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
+  const vfloat n = __builtin_convertvector(ni, vfloat);
+  vfloat r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  vfloat p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const vint bits = (ni + 127) << 23;  // 2^n
+  vfloat scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
-}
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
 }
 
 struct Geometry {
@@ -82,20 +104,31 @@ struct Geometry {
 // ([rows, D] floats) live in L1 next to one block of K and V.
 constexpr int64_t kQueryTile = 16;
 
-template <typename T>
+// Scratch of one thread, reused across its work items.
+struct Scratch {
+  std::vector<float> data;
+  float* take(int64_t rows, int64_t D, int64_t B) {
+    data.resize(static_cast<size_t>(2 * rows * D + 2 * rows + (B + W) + 2 * B * D));
+    return data.data();
+  }
+};
+
+// One (sequence, query tile, kv head): rows = num_q query positions x G heads. D is a template
+// parameter so that a row's query and accumulator (D / 16 vectors each) stay in registers.
+template <typename T, int64_t D>
 void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
                  const int32_t* table, int64_t seq, int64_t kv_head, int64_t q_first,
-                 int64_t num_q, int64_t pos_first, T* out, std::vector<float>& buf) {
-  const int64_t D = g.head_dim, B = g.block_size, G = g.group;
+                 int64_t num_q, int64_t pos_first, T* out, Scratch& scratch) {
+  constexpr int64_t C = D / W;  // vectors per head row
+  const int64_t B = g.block_size, G = g.group;
   const int64_t rows = num_q * G;  // row r: query (q_first + r / G), head (kv_head * G + r % G)
-  buf.resize(static_cast<size_t>(rows * D * 2 + rows * 2 + B * 2 + 2 * B * D));
-  float* qf = buf.data();          // [rows, D] scaled queries
-  float* acc = qf + rows * D;      // [rows, D]
-  float* m = acc + rows * D;       // [rows] running max
-  float* l = m + rows;             // [rows] running sum
-  float* score = l + rows;         // [B]
-  float* kbuf = score + 2 * B;     // [B, D] one block of K in float (non-float caches)
-  float* vbuf = kbuf + B * D;      // [B, D]
+  float* qf = scratch.take(rows, D, B);  // [rows, D] scaled queries
+  float* acc = qf + rows * D;            // [rows, D] unnormalised output
+  float* m = acc + rows * D;             // [rows] running max
+  float* l = m + rows;                   // [rows] running sum of exp
+  float* score = l + rows;               // [B rounded up to W]
+  float* kbuf = score + B + W;           // [B, D] one block of K in float (non-float caches)
+  float* vbuf = kbuf + B * D;            // [B, D]
 
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (q_first + r / G) * g.q_s0 + (kv_head * G + r % G) * g.q_s1;
@@ -111,6 +144,18 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
     const int64_t base = b * B;
     const int64_t n = std::min(B, kv_end - base);
     const int64_t off = static_cast<int64_t>(table[seq * g.table_s0 + b]) * g.c_s0 + kv_head * g.c_s2;
+    if (b + 1 < num_blocks) {
+      // The next block is anywhere in the pool: no hardware prefetcher guesses the jump, so ask
+      // for its rows now and let them arrive while this block is computed.
+      const int64_t next = static_cast<int64_t>(table[seq * g.table_s0 + b + 1]) * g.c_s0 + kv_head * g.c_s2;
+      const int64_t next_n = std::min(B, kv_end - base - B);
+      for (int64_t t = 0; t < next_n; ++t) {
+        for (int64_t i = 0; i < D; i += 64 / static_cast<int64_t>(sizeof(T))) {
+          __builtin_prefetch(k_cache + next + t * g.c_s1 + i);
+          __builtin_prefetch(v_cache + next + t * g.c_s1 + i);
+        }
+      }
+    }
     const float* kb;
     const float* vb;
     int64_t kv_stride;
@@ -135,34 +180,45 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
       // Row r's query sits at pos_first + r / G and sees keys up to and including it.
       const int64_t nr = std::min(n, pos_first + r / G + 1 - base);
       if (nr <= 0) continue;
-      const float* qr = qf + r * D;
+      vfloat qv[C];
+      for (int64_t c = 0; c < C; ++c) qv[c] = load(qf + r * D + c * W);
       float block_max = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < nr; ++t) {
-        score[t] = dot(qr, kb + t * kv_stride, D);
+        const float* kr = kb + t * kv_stride;
+        vfloat s0 = qv[0] * load(kr), s1 = vfloat{};  // two chains: FMA latency, not throughput
+        for (int64_t c = 1; c < C; ++c) {
+          if (c % 2) s1 += qv[c] * load(kr + c * W);
+          else s0 += qv[c] * load(kr + c * W);
+        }
+        score[t] = hsum(s0 + s1);
         block_max = std::max(block_max, score[t]);
       }
       const float m_new = std::max(m[r], block_max);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < nr; ++t) {
-        score[t] = exp_nonpositive(score[t] - m_new);
-        sum += score[t];
+      // Lanes past nr are exp'd too (whole vectors): -inf there makes them ~1e-38, nothing.
+      for (int64_t t = nr; t < (nr + W - 1) / W * W; ++t) score[t] = -std::numeric_limits<float>::infinity();
+      vfloat sum = vfloat{};
+      for (int64_t t0 = 0; t0 < nr; t0 += W) {
+        const vfloat p = exp_nonpositive(load(score + t0) - m_new);
+        store(score + t0, p);
+        sum += p;
       }
+      const float row_sum = hsum(sum);
       float* ar = acc + r * D;
+      vfloat a[C];
+      for (int64_t c = 0; c < C; ++c) a[c] = load(ar + c * W);
       if (m_new > m[r]) {
         const float alpha = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
         l[r] *= alpha;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ar[i] *= alpha;
+        for (int64_t c = 0; c < C; ++c) a[c] *= alpha;
         m[r] = m_new;
       }
-      l[r] += sum;
+      l[r] += row_sum;
       for (int64_t t = 0; t < nr; ++t) {
-        const float p = score[t];
         const float* vr = vb + t * kv_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ar[i] += p * vr[i];
+        const vfloat p = splat(score[t]);
+        for (int64_t c = 0; c < C; ++c) a[c] += p * load(vr + c * W);
       }
+      for (int64_t c = 0; c < C; ++c) store(ar + c * W, a[c]);
     }
   }
 
@@ -234,8 +290,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     const int32_t* tp = block_tables.data_ptr<int32_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
+    auto attend = &attend_item<scalar_t, 64>;
+    switch (g.head_dim) {
+      case 16: attend = &attend_item<scalar_t, 16>; break;
+      case 32: attend = &attend_item<scalar_t, 32>; break;
+      case 64: break;
+      case 128: attend = &attend_item<scalar_t, 128>; break;
+      case 256: attend = &attend_item<scalar_t, 256>; break;
+      default: TORCH_CHECK(false, "head_dim must be 16, 32, 64, 128 or 256, got ", g.head_dim);
+    }
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
+      Scratch buf;
       for (int64_t it = begin; it < end; ++it) {
         const int64_t pair = it / g.num_kv_heads, kv_head = it % g.num_kv_heads;
         const int64_t s = item_seq[pair], tile = item_tile[pair];
@@ -244,7 +309,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t first = tile * kQueryTile;
         const int64_t num_q = std::min(kQueryTile, q_len - first);
         const int64_t pos_first = lens[s] - q_len + first;
-        attend_item<scalar_t>(g, qp, kp, vp, tp, s, kv_head, start + first, num_q, pos_first, op, buf);
+        attend(g, qp, kp, vp, tp, s, kv_head, start + first, num_q, pos_first, op, buf);
       }
     });
   });
