@@ -54,6 +54,8 @@ inline vfloat load(const float* p) {
   return v;
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+// For constants only (folded at compile time): a runtime scalar is broadcast by writing it as an
+// operand, `x * v`, since `vfloat{} + x` is a scalar add (0 + -0 is +0) before the broadcast.
 inline vfloat splat(float x) { return vfloat{} + x; }
 
 // Sum of the 16 lanes by halving (a tree of shuffles and adds, not 15 dependent scalar adds).
@@ -103,15 +105,54 @@ struct Geometry {
 // Query positions per work item: rows = TILE * G stay few enough that their accumulators
 // ([rows, D] floats) live in L1 next to one block of K and V.
 constexpr int64_t kQueryTile = 16;
+// From this many rows on, a block's keys are transposed ([D, B]) so that scores come out 16 keys
+// to a vector (one FMA per dimension, no horizontal sum); the transpose costs B * D moves per
+// block, which pays for itself only over many rows. Decode (rows = G) takes dot products instead.
+constexpr int64_t kTransposeRows = 16;
+constexpr int64_t kRowBlock = 4;  // rows scored together against one transposed block
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 // Scratch of one thread, reused across its work items.
 struct Scratch {
   std::vector<float> data;
-  float* take(int64_t rows, int64_t D, int64_t B) {
-    data.resize(static_cast<size_t>(2 * rows * D + 2 * rows + (B + W) + 2 * B * D));
+  float* take(size_t floats) {
+    if (data.size() < floats) data.resize(floats);
     return data.data();
   }
 };
+
+// Scores of rows [r0, r0 + kRowBlock) against keys [0, BW) of a transposed block kt [D, BW]:
+// score [rows, BW]. Rows past `rows` have zero queries (qf is padded), so they cost but do no harm.
+template <int64_t D>
+inline void score_transposed(const float* qf, const float* kt, int64_t r0, int64_t n, int64_t BW,
+                             float* score) {
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    vfloat s[kRowBlock] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const vfloat k = load(kt + d * BW + t0);
+      for (int64_t j = 0; j < kRowBlock; ++j) s[j] += qf[(r0 + j) * D + d] * k;
+    }
+    for (int64_t j = 0; j < kRowBlock; ++j) store(score + (r0 + j) * BW + t0, s[j]);
+  }
+}
+
+// Score of row r against keys [0, nr) of block kb (row stride ks), by dot products.
+template <int64_t D>
+inline void score_dot(const float* qr, const float* kb, int64_t ks, int64_t nr, float* score) {
+  constexpr int64_t C = D / W;
+  vfloat qv[C];
+  for (int64_t c = 0; c < C; ++c) qv[c] = load(qr + c * W);
+  for (int64_t t = 0; t < nr; ++t) {
+    const float* kr = kb + t * ks;
+    vfloat s0 = qv[0] * load(kr), s1 = vfloat{};  // two chains: FMA latency, not throughput
+    for (int64_t c = 1; c < C; ++c) {
+      if (c % 2) s1 += qv[c] * load(kr + c * W);
+      else s0 += qv[c] * load(kr + c * W);
+    }
+    score[t] = hsum(s0 + s1);
+  }
+}
 
 // One (sequence, query tile, kv head): rows = num_q query positions x G heads. D is a template
 // parameter so that a row's query and accumulator (D / 16 vectors each) stay in registers.
@@ -121,18 +162,26 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
                  int64_t num_q, int64_t pos_first, T* out, Scratch& scratch) {
   constexpr int64_t C = D / W;  // vectors per head row
   const int64_t B = g.block_size, G = g.group;
+  const int64_t BW = round_up(B, W);
   const int64_t rows = num_q * G;  // row r: query (q_first + r / G), head (kv_head * G + r % G)
-  float* qf = scratch.take(rows, D, B);  // [rows, D] scaled queries
-  float* acc = qf + rows * D;            // [rows, D] unnormalised output
-  float* m = acc + rows * D;             // [rows] running max
-  float* l = m + rows;                   // [rows] running sum of exp
-  float* score = l + rows;               // [B rounded up to W]
-  float* kbuf = score + B + W;           // [B, D] one block of K in float (non-float caches)
-  float* vbuf = kbuf + B * D;            // [B, D]
+  const bool transpose = rows >= kTransposeRows;
+  const int64_t rows_padded = round_up(rows, kRowBlock);
+  float* qf = scratch.take(static_cast<size_t>(2 * rows_padded * D + 2 * rows_padded +
+                                               rows_padded * BW + 2 * BW * D));
+  float* acc = qf + rows_padded * D;     // [rows, D] unnormalised output
+  float* m = acc + rows_padded * D;      // [rows] running max
+  float* l = m + rows_padded;            // [rows] running sum of exp
+  float* score = l + rows_padded;        // [rows, BW] this block's scores, then probabilities
+  float* kbuf = score + rows_padded * BW;  // [B, D] K in float (non-float caches) or [D, BW] K^T
+  float* vbuf = kbuf + BW * D;           // [B, D] V in float (non-float caches)
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + (q_first + r / G) * g.q_s0 + (kv_head * G + r % G) * g.q_s1;
-    for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * g.scale;
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    if (r < rows) {
+      const T* src = q + (q_first + r / G) * g.q_s0 + (kv_head * G + r % G) * g.q_s1;
+      for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * g.scale;
+    } else {
+      std::fill(qf + r * D, qf + (r + 1) * D, 0.0f);
+    }
     std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
@@ -156,6 +205,7 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
         }
       }
     }
+    // Keys and values of this block as float rows (in place for a float cache).
     const float* kb;
     const float* vb;
     int64_t kv_stride;
@@ -165,44 +215,44 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
       kv_stride = g.c_s1;
     } else {
       for (int64_t t = 0; t < n; ++t) {
-        const T* ks = k_cache + off + t * g.c_s1;
         const T* vs = v_cache + off + t * g.c_s1;
-        for (int64_t i = 0; i < D; ++i) {
-          kbuf[t * D + i] = to_float(ks[i]);
-          vbuf[t * D + i] = to_float(vs[i]);
-        }
+        for (int64_t i = 0; i < D; ++i) vbuf[t * D + i] = to_float(vs[i]);
       }
-      kb = kbuf;
       vb = vbuf;
       kv_stride = D;
+      kb = kbuf;
+    }
+    if (transpose) {
+      // kbuf becomes K^T [D, BW], keys past n zero; every row's scores for the block at once.
+      for (int64_t t = 0; t < n; ++t) {
+        const T* ks = k_cache + off + t * g.c_s1;
+        for (int64_t i = 0; i < D; ++i) kbuf[i * BW + t] = to_float(ks[i]);
+      }
+      for (int64_t i = 0; i < D; ++i) std::fill(kbuf + i * BW + n, kbuf + (i + 1) * BW, 0.0f);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) score_transposed<D>(qf, kbuf, r0, n, BW, score);
+    } else if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* ks = k_cache + off + t * g.c_s1;
+        for (int64_t i = 0; i < D; ++i) kbuf[t * D + i] = to_float(ks[i]);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       // Row r's query sits at pos_first + r / G and sees keys up to and including it.
       const int64_t nr = std::min(n, pos_first + r / G + 1 - base);
       if (nr <= 0) continue;
-      vfloat qv[C];
-      for (int64_t c = 0; c < C; ++c) qv[c] = load(qf + r * D + c * W);
+      float* sr = score + r * BW;
+      if (!transpose) score_dot<D>(qf + r * D, kb, kv_stride, nr, sr);
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < nr; ++t) {
-        const float* kr = kb + t * kv_stride;
-        vfloat s0 = qv[0] * load(kr), s1 = vfloat{};  // two chains: FMA latency, not throughput
-        for (int64_t c = 1; c < C; ++c) {
-          if (c % 2) s1 += qv[c] * load(kr + c * W);
-          else s0 += qv[c] * load(kr + c * W);
-        }
-        score[t] = hsum(s0 + s1);
-        block_max = std::max(block_max, score[t]);
-      }
+      for (int64_t t = 0; t < nr; ++t) block_max = std::max(block_max, sr[t]);
       const float m_new = std::max(m[r], block_max);
       // Lanes past nr are exp'd too (whole vectors): -inf there makes them ~1e-38, nothing.
-      for (int64_t t = nr; t < (nr + W - 1) / W * W; ++t) score[t] = -std::numeric_limits<float>::infinity();
+      for (int64_t t = nr; t < round_up(nr, W); ++t) sr[t] = -std::numeric_limits<float>::infinity();
       vfloat sum = vfloat{};
       for (int64_t t0 = 0; t0 < nr; t0 += W) {
-        const vfloat p = exp_nonpositive(load(score + t0) - m_new);
-        store(score + t0, p);
+        const vfloat p = exp_nonpositive(load(sr + t0) - m_new);
+        store(sr + t0, p);
         sum += p;
       }
-      const float row_sum = hsum(sum);
       float* ar = acc + r * D;
       vfloat a[C];
       for (int64_t c = 0; c < C; ++c) a[c] = load(ar + c * W);
@@ -212,10 +262,10 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
         for (int64_t c = 0; c < C; ++c) a[c] *= alpha;
         m[r] = m_new;
       }
-      l[r] += row_sum;
+      l[r] += hsum(sum);
       for (int64_t t = 0; t < nr; ++t) {
         const float* vr = vb + t * kv_stride;
-        const vfloat p = splat(score[t]);
+        const float p = sr[t];
         for (int64_t c = 0; c < C; ++c) a[c] += p * load(vr + c * W);
       }
       for (int64_t c = 0; c < C; ++c) store(ar + c * W, a[c]);
