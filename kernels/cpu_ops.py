@@ -83,10 +83,13 @@ def _build() -> None:
     from torch.utils import cpp_extension
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{_NAME}.so").exists():  # the one slow start: say so before it
+        log.warning("compiling the CPU paged-attention kernel into %s (first use on this machine; "
+                    "~10 s, once)", directory)
     started = time.monotonic()
     cpp_extension.load(name=_NAME, sources=[str(SOURCE)], extra_cflags=_compile_flags(),
                        build_directory=str(directory), is_python_module=False, verbose=False)
-    log.info("CPU paged-attention kernel ready in %.1f s (%s)", time.monotonic() - started, directory)
+    log.info("CPU paged-attention kernel loaded in %.1f s from %s", time.monotonic() - started, directory)
 
 
 def available() -> bool:
