@@ -71,6 +71,19 @@ inline float hsum(vfloat v) {
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
+// Largest of the 16 lanes, by the same halving.
+inline float hmax(vfloat v) {
+  vhalf lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  lo = lo > hi ? lo : hi;
+  vquarter a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&lo) + sizeof(a), sizeof(b));
+  a = a > b ? a : b;
+  return std::max(std::max(a[0], a[2]), std::max(a[1], a[3]));
+}
+
 // exp(x) for x <= 0 (a score minus its running max), lane-wise: Cephes' single-precision
 // polynomial, ~1 ulp. Below -87 the result is ~1e-38 rather than 0, which vanishes next to the
 // row's sum (>= 1).
@@ -224,10 +237,9 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
     }
     if (transpose) {
       // kbuf becomes K^T [D, BW], keys past n zero; every row's scores for the block at once.
-      for (int64_t t = 0; t < n; ++t) {
-        const T* ks = k_cache + off + t * g.c_s1;
-        for (int64_t i = 0; i < D; ++i) kbuf[i * BW + t] = to_float(ks[i]);
-      }
+      const T* ks = k_cache + off;
+      for (int64_t i = 0; i < D; ++i)
+        for (int64_t t = 0; t < n; ++t) kbuf[i * BW + t] = to_float(ks[t * g.c_s1 + i]);
       for (int64_t i = 0; i < D; ++i) std::fill(kbuf + i * BW + n, kbuf + (i + 1) * BW, 0.0f);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) score_transposed<D>(qf, kbuf, r0, n, BW, score);
     } else if constexpr (!std::is_same_v<T, float>) {
@@ -242,11 +254,15 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
       if (nr <= 0) continue;
       float* sr = score + r * BW;
       if (!transpose) score_dot<D>(qf + r * D, kb, kv_stride, nr, sr);
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < nr; ++t) block_max = std::max(block_max, sr[t]);
-      const float m_new = std::max(m[r], block_max);
-      // Lanes past nr are exp'd too (whole vectors): -inf there makes them ~1e-38, nothing.
+      // Lanes past nr take part in whole-vector max and exp: -inf there changes no max, and its
+      // exp is ~1e-38, nothing.
       for (int64_t t = nr; t < round_up(nr, W); ++t) sr[t] = -std::numeric_limits<float>::infinity();
+      vfloat vmax = load(sr);
+      for (int64_t t0 = W; t0 < nr; t0 += W) {
+        const vfloat x = load(sr + t0);
+        vmax = x > vmax ? x : vmax;
+      }
+      const float m_new = std::max(m[r], hmax(vmax));
       vfloat sum = vfloat{};
       for (int64_t t0 = 0; t0 < nr; t0 += W) {
         const vfloat p = exp_nonpositive(load(sr + t0) - m_new);
