@@ -75,7 +75,15 @@ def _missing_tool() -> str | None:
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH)"
     if not cpp_extension.is_ninja_available():
-        return "ninja is not on PATH (torch.utils.cpp_extension builds with it)"
+        # cpp_extension runs `ninja` from PATH; the pip package (a dependency) puts it in the
+        # environment's bin folder, which is not on PATH when .venv/bin/python runs unactivated.
+        try:
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        if not cpp_extension.is_ninja_available():
+            return "ninja is not on PATH (torch.utils.cpp_extension builds with it)"
     return None
 
 
