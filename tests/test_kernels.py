@@ -264,6 +264,22 @@ def test_cpu_kernel_takes_strided_queries_and_an_empty_batch():
     assert empty.shape == (0, 4, 32)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel serves CPU tensors")
+def test_cpu_kernel_refuses_a_table_that_leaves_the_pool():
+    case = PagedCase(seq_lens=[40, 9], q_lens=[1, 1], block_size=16, num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=6)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
+    case.block_tables[0, 2] = case.k_cache.shape[0]   # the last block sequence 0 reads
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(*args, impl="cpu")
+    case.block_tables[0, 2] = -1
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(*args, impl="cpu")
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables[:, :2],
+                                       case.seq_lens_t, case.scale, impl="cpu")
+
+
 def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(monkeypatch, caplog):
     from kernels import cpu_ops
     monkeypatch.setenv("CXX", "/nonexistent/c++")

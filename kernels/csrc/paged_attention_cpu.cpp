@@ -342,7 +342,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   std::vector<int64_t> item_seq, item_tile;
   for (int64_t s = 0; s < g.num_seqs; ++s) {
     const int64_t q_len = decode ? 1 : qsl[s + 1] - qsl[s];
-    TORCH_CHECK(q_len <= lens[s], "sequence ", s, " has more queries than keys");
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, " has ", q_len, " queries for ", lens[s], " keys");
+    // Every block the kernel will read must be in the pool: a bad table is an error, not a read
+    // of some other memory.
+    const int64_t used = (lens[s] + g.block_size - 1) / g.block_size;
+    TORCH_CHECK(used <= block_tables.size(1), "sequence ", s, " needs ", used, " blocks; its table has ",
+                block_tables.size(1));
+    const int32_t* row = block_tables.data_ptr<int32_t>() + s * g.table_s0;
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "sequence ", s, " block ", b, " is ", row[b],
+                  ", outside the pool of ", k_cache.size(0));
     for (int64_t t = 0; t * kQueryTile < q_len; ++t) {
       item_seq.push_back(s);
       item_tile.push_back(t);
