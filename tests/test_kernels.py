@@ -301,7 +301,7 @@ def test_cpu_kernel_build_is_cached_across_processes():
     import sys
     from kernels import cpu_ops
     assert cpu_ops.available()
-    [library] = cpu_ops.build_directory().glob("*.so")
+    library = cpu_ops.build_directory() / "pagedserve_cpu.so"
     before = library.stat().st_mtime_ns
     code = "from kernels import cpu_ops; assert cpu_ops.available(), cpu_ops.unavailable_reason()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
