@@ -1,9 +1,12 @@
 """Paged-attention kernels behind one dispatching API (docs/INTERFACES.md, "kernels/").
 
-Each function takes `impl`: None picks Triton for CUDA tensors and the PyTorch reference otherwise;
-"triton" or "reference" force one. The Triton module is imported only when it is first chosen:
-importing it decorates the kernels, and on a CPU-only machine that must happen after
-TRITON_INTERPRET=1 is set (tests set it) — importing `kernels` alone never touches Triton.
+Each function takes `impl`: None picks Triton for CUDA tensors; for CPU tensors the attention calls
+pick the C++ kernel (kernels/cpu_ops.py, compiled on first use) and fall back to the PyTorch
+reference where it cannot be built, while the cache write and block copy are the reference's on
+CPU either way (so a kvstore copying blocks never triggers a build). "triton", "cpu" or
+"reference" force one. The Triton module is imported only when it is first chosen: importing it
+decorates the kernels, and on a CPU-only machine that must happen after TRITON_INTERPRET=1 is set
+(tests set it) — importing `kernels` alone never touches Triton, nor builds anything.
 """
 
 from __future__ import annotations
@@ -13,26 +16,34 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 
 __all__ = ["write_kv_cache", "paged_attention", "paged_decode_attention", "copy_blocks",
            "resolve_impl"]
 
-_IMPLS = ("triton", "reference")
+_IMPLS = ("triton", "cpu", "reference")
 
 
-def resolve_impl(tensor: torch.Tensor, impl: str | None) -> str:
-    """The implementation a call on `tensor` with this `impl` argument runs."""
+def resolve_impl(tensor: torch.Tensor, impl: str | None, attention: bool = True) -> str:
+    """The implementation a call on `tensor` with this `impl` argument runs (`attention`: whether
+    the call is one of the attention kernels, the only ones with a C++ CPU version)."""
     if impl is None:
-        return "triton" if tensor.is_cuda else "reference"
+        if tensor.is_cuda:
+            return "triton"
+        return "cpu" if attention and cpu_ops.available() else "reference"
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS} or None, got {impl!r}")
+    if impl == "cpu" and not cpu_ops.available():
+        raise RuntimeError(f"impl='cpu': the C++ kernel is unavailable: {cpu_ops.unavailable_reason()}")
     return impl
 
 
-def _backend(tensor: torch.Tensor, impl: str | None) -> ModuleType:
-    if resolve_impl(tensor, impl) == "reference":
+def _backend(tensor: torch.Tensor, impl: str | None, attention: bool = True) -> ModuleType:
+    chosen = resolve_impl(tensor, impl, attention)
+    if chosen == "reference":
         return reference
+    if chosen == "cpu":
+        return cpu_ops
     return importlib.import_module("kernels.triton_ops")
 
 
@@ -40,7 +51,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    impl: str | None = None) -> None:
     """key, value: [T, Hkv, D] -> their slots in k_cache, v_cache [N, B, Hkv, D]; slot < 0 skips."""
-    _backend(key, impl).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    _backend(key, impl, attention=False).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,4 +74,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                 impl: str | None = None) -> None:
     """pool[dst[i]] = pool[src[i]] for pool [num_blocks, ...], src/dst [N] int64."""
-    _backend(pool, impl).copy_blocks(pool, src, dst)
+    _backend(pool, impl, attention=False).copy_blocks(pool, src, dst)

@@ -4,12 +4,16 @@ Owns nothing but this measurement. For each batch size and context length it tim
 step of attention two ways on the same data: the paged kernel reading K/V through shuffled block
 tables out of a pool laid out as the worker's (every layer's K and V in one block row), and
 scaled_dot_product_attention over ordinary contiguous [S, Hkv, L, D] tensors (flash on CUDA).
-Then the same for prefill: every sequence's whole context as causal queries over its own paged
-K/V, against causal SDPA on the contiguous copy. On CUDA the paged side is the Triton kernel in
-fp16; on CPU it is the PyTorch reference (the server's CPU path), with fewer heads and shorter
-prefills so the whole sweep stays under a minute. Both are timed in one process, interleaved,
-and the median of the repeats is reported. The paper's kernel was 20-26 % slower than contiguous
-in decode; our goal is within 10 %. A figure, not a pass/fail gate.
+Then prefill two ways: "prefill", every sequence's whole context as causal queries over its own
+paged K/V, against causal SDPA on the contiguous copy; and "prefix", the last PREFIX_QUERIES
+tokens of each sequence as queries over the cached rest (a chunked prefill or a prefix-cache hit),
+against SDPA with the same bottom-right causal mask. On CUDA the paged side is the Triton kernel in
+fp16; on CPU it is the C++ kernel (kernels/cpu_ops.py; the reference where it cannot be built),
+with fewer heads so the whole sweep stays short, and with the PyTorch reference (the old CPU path:
+a gather of the context, then SDPA) as a third column. All sides are timed in one process, in
+alternating rounds, and the median of the rounds is reported. The paper's kernel was 20-26 %
+slower than contiguous in decode; our goal is within 10 % on CUDA and 20 % on CPU. A figure, not a
+pass/fail gate. `--batch-sizes`, `--contexts` and `--kinds` pick a few cells for a brief run.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import torch.nn.functional as F
 
 import kernels
 
-BATCH_SIZES = (8, 32)
-CONTEXT_LENS = (64, 128, 256, 1024)
+BATCH_SIZES = {"cuda": (8, 32), "cpu": (8, 32, 64)}
+CONTEXT_LENS = {"cuda": (64, 128, 256, 1024), "cpu": (64, 256, 1024, 2048)}
 PREFILL_CASES = {"cuda": ((1, 4096), (4, 1024), (16, 256)), "cpu": ((1, 256), (4, 64))}  # (batch, context)
+PREFIX_QUERIES = 16  # new tokens per sequence in a "prefix" cell, over context - 16 cached ones
+KINDS = ("decode", "prefill", "prefix")
 NUM_LAYERS = 2  # >1 so each layer's cache view has a block stride larger than one block
 
 
@@ -84,7 +90,49 @@ def _timer(device: str):
     return timed
 
 
-def run(block_size: int, dtype: torch.dtype, repeats: int, device: str) -> list[dict]:
+def _cell(kind: str, batch: int, context: int, block_size: int, shape: Shape, dtype: torch.dtype,
+          device: str, gen: torch.Generator) -> dict:
+    """The calls one cell times, by column: "paged" (impl=None: what the server runs), "contiguous"
+    (SDPA on the contiguous copy) and, on CPU, "reference" (the PyTorch path)."""
+    q, k_cache, v_cache, table, seq_lens, k_contig, v_contig = _paged_inputs(
+        batch, context, block_size, shape, dtype, device, gen)
+    scale = shape.head_dim ** -0.5
+    if kind == "decode":
+        def paged(impl=None):
+            return kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, impl=impl)
+
+        def contiguous():
+            return F.scaled_dot_product_attention(
+                q[:, :, None], k_contig, v_contig, scale=scale, enable_gqa=True)[:, :, 0]
+    else:
+        # "prefill": every position queries its own prefix; "prefix": the last few positions do,
+        # over the cached rest. Queries [S, Hq, Q, D], ragged [S * Q, Hq, D] for the paged side.
+        num_q = context if kind == "prefill" else min(PREFIX_QUERIES, context)
+        qp = torch.randn(batch, shape.num_q_heads, num_q, shape.head_dim, generator=gen)
+        qp = qp.to(device=device, dtype=dtype)
+        q_ragged = qp.transpose(1, 2).reshape(batch * num_q, shape.num_q_heads, shape.head_dim)
+        qsl = torch.arange(0, (batch + 1) * num_q, num_q, dtype=torch.int32, device=device)
+        # Query i sits at position context - num_q + i (bottom-right causal): [Q, L]
+        mask = (torch.arange(context, device=device)[None, :]
+                <= torch.arange(context - num_q, context, device=device)[:, None])
+
+        def paged(impl=None):
+            return kernels.paged_attention(q_ragged, k_cache, v_cache, table, seq_lens, qsl, scale,
+                                           num_q, impl=impl)
+
+        def contiguous():
+            out = F.scaled_dot_product_attention(qp, k_contig, v_contig, scale=scale, enable_gqa=True,
+                                                 attn_mask=None if kind == "prefill" else mask,
+                                                 is_causal=kind == "prefill")  # [S, Hq, Q, D]
+            return out.transpose(1, 2).reshape(batch * num_q, shape.num_q_heads, shape.head_dim)
+    calls = {"paged": paged, "contiguous": contiguous}
+    if device == "cpu" and kernels.resolve_impl(q, None) != "reference":
+        calls["reference"] = lambda: paged("reference")
+    return calls
+
+
+def run(block_size: int, dtype: torch.dtype, repeats: int, device: str,
+        cases: list[tuple[str, int, int]] | None = None) -> list[dict]:
     shape = CUDA_SHAPE if device == "cuda" else CPU_SHAPE
     impl = kernels.resolve_impl(torch.empty(0, device=device), None)
     timed = _timer(device)
@@ -93,51 +141,45 @@ def run(block_size: int, dtype: torch.dtype, repeats: int, device: str) -> list[
     gen = torch.Generator(device="cpu").manual_seed(0)
     print(f"device={device} impl={impl} dtype={str(dtype).removeprefix('torch.')} "
           f"block_size={block_size} q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} "
-          f"head_dim={shape.head_dim} repeats={repeats} cpu_threads={torch.get_num_threads()}")
+          f"head_dim={shape.head_dim} repeats={repeats} cpu_threads={torch.get_num_threads()} "
+          f"prefix_queries={PREFIX_QUERIES}")
+    with_reference = device == "cpu" and impl != "reference"
     print(f"{'kind':>7} {'batch':>5} {'context':>7} {'paged ms':>9} {'contig ms':>9} {'ratio':>6} "
-          f"{'max|diff|':>9}")
-    cases = [("decode", b, c) for b in BATCH_SIZES for c in CONTEXT_LENS]
-    cases += [("prefill", b, c) for b, c in PREFILL_CASES[device]]
+          f"{'max|diff|':>9}" + (f" {'ref ms':>9} {'ref/contig':>10}" if with_reference else ""))
     rows = []
-    for kind, batch, context in cases:
-        q, k_cache, v_cache, table, seq_lens, k_contig, v_contig = _paged_inputs(
-            batch, context, block_size, shape, dtype, device, gen)
-        scale = shape.head_dim ** -0.5
-        if kind == "decode":
-            def paged():
-                return kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale)
-
-            def contiguous():
-                return F.scaled_dot_product_attention(
-                    q[:, :, None], k_contig, v_contig, scale=scale, enable_gqa=True)[:, :, 0]
-        else:
-            # Every position of every sequence queries its own prefix: [S * L, Hq, D] ragged.
-            qp = torch.randn(batch, shape.num_q_heads, context, shape.head_dim, generator=gen)
-            qp = qp.to(device=device, dtype=dtype)  # [S, Hq, L, D]
-            q_ragged = qp.transpose(1, 2).reshape(batch * context, shape.num_q_heads, shape.head_dim)
-            qsl = torch.arange(0, (batch + 1) * context, context, dtype=torch.int32, device=device)
-
-            def paged():
-                return kernels.paged_attention(q_ragged, k_cache, v_cache, table, seq_lens, qsl, scale,
-                                               context)
-
-            def contiguous():
-                out = F.scaled_dot_product_attention(qp, k_contig, v_contig, scale=scale,
-                                                     is_causal=True, enable_gqa=True)  # [S, Hq, L, D]
-                return out.transpose(1, 2).reshape(batch * context, shape.num_q_heads, shape.head_dim)
-
-        diff = (paged().float() - contiguous().float()).abs().max().item()  # also warms up
-        paged_ms, contig_ms = [], []
-        for _ in range(repeats):  # interleaved, so drift in clocks or load hits both
-            paged_ms.append(timed(paged, inner))
-            contig_ms.append(timed(contiguous, inner))
-        row = {"kind": kind, "batch": batch, "context": context, "paged_ms": statistics.median(paged_ms),
-               "contiguous_ms": statistics.median(contig_ms), "max_abs_diff": diff}
+    for kind, batch, context in cases if cases is not None else default_cases(device):
+        calls = _cell(kind, batch, context, block_size, shape, dtype, device, gen)
+        diff = (calls["paged"]().float() - calls["contiguous"]().float()).abs().max().item()
+        for fn in calls.values():
+            fn()  # warm-up
+        times = {name: [] for name in calls}
+        for _ in range(repeats):  # alternating rounds, so drift in clocks or load hits every side
+            for name, fn in calls.items():
+                times[name].append(timed(fn, inner))
+        row = {"kind": kind, "batch": batch, "context": context, "paged_ms": statistics.median(times["paged"]),
+               "contiguous_ms": statistics.median(times["contiguous"]), "max_abs_diff": diff}
         row["ratio"] = row["paged_ms"] / row["contiguous_ms"]
+        line = (f"{kind:>7} {batch:>5} {context:>7} {row['paged_ms']:>9.3f} {row['contiguous_ms']:>9.3f} "
+                f"{row['ratio']:>6.2f} {diff:>9.1e}")
+        if "reference" in times:
+            row["reference_ms"] = statistics.median(times["reference"])
+            line += f" {row['reference_ms']:>9.3f} {row['reference_ms'] / row['contiguous_ms']:>10.2f}"
         rows.append(row)
-        print(f"{kind:>7} {batch:>5} {context:>7} {row['paged_ms']:>9.3f} {row['contiguous_ms']:>9.3f} "
-              f"{row['ratio']:>6.2f} {diff:>9.1e}", flush=True)
+        print(line, flush=True)
     return rows
+
+
+def default_cases(device: str, batch_sizes=None, contexts=None, kinds=KINDS) -> list[tuple[str, int, int]]:
+    """The sweep: decode and prefix over batch x context, prefill over PREFILL_CASES (or over the
+    given batches x contexts when either is given)."""
+    batches = batch_sizes or BATCH_SIZES[device]
+    lens = contexts or CONTEXT_LENS[device]
+    grid = [(b, c) for b in batches for c in lens]
+    prefill = grid if batch_sizes or contexts else list(PREFILL_CASES[device])
+    cases = []
+    for kind in kinds:
+        cases += [(kind, b, c) for b, c in (prefill if kind == "prefill" else grid)]
+    return cases
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,13 +194,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's). On a busy machine 1 avoids "
                              "OpenMP workers waiting ~20 ms for a core at every call")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help=f"default: {BATCH_SIZES['cpu']} on CPU, {BATCH_SIZES['cuda']} on CUDA")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help=f"default: {CONTEXT_LENS['cpu']} on CPU, {CONTEXT_LENS['cuda']} on CUDA")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype_name = args.dtype or ("float16" if device == "cuda" else "float32")
     repeats = args.repeats or (50 if device == "cuda" else 7)
-    rows = run(args.block_size, getattr(torch, dtype_name), repeats, device)
+    cases = default_cases(device, args.batch_sizes, args.contexts, args.kinds)
+    rows = run(args.block_size, getattr(torch, dtype_name), repeats, device, cases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "dtype": dtype_name, "block_size": args.block_size, "rows": rows}, f)

@@ -119,7 +119,7 @@ def benchmark_rows(code, seconds: float, out: Path, log: Path) -> list[dict]:
     data = json.loads(out.read_text())
     rows = [{"section": "benchmark", "check": "paged == contiguous on every cell (max |diff| < 2e-2)",
              "ok": all(r["max_abs_diff"] < 2e-2 for r in data["rows"]), "figure": f"{seconds:.0f} s"}]
-    for kind in ("decode", "prefill"):
+    for kind in ("decode", "prefill", "prefix"):
         cells = [r for r in data["rows"] if r["kind"] == kind]
         ratios = ", ".join(f"{r['batch']}x{r['context']}: {r['ratio']:.2f}" for r in cells)
         rows.append({"section": "benchmark", "check": f"{kind} paged / contiguous SDPA time "

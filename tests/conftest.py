@@ -19,6 +19,15 @@ import pytest
 ARCHS = ("llama", "qwen2", "opt")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel_built():
+    """The C++ CPU attention (kernels/cpu_ops.py) built once, before any test starts a worker: the
+    first build takes ~10 s, which would otherwise land inside some process's startup timeout
+    (later processes, and later sessions, only load it)."""
+    from kernels import cpu_ops
+    cpu_ops.available()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     from services.tiny_model import build_tiny_model

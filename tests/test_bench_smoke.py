@@ -104,12 +104,13 @@ def test_e2e_quick_prints_its_table(tiny_llama, capsys):
 def test_kernel_benchmark_quick_prints_every_cell(capsys, tmp_path):
     import json
     from kernels import benchmark
-    benchmark.main(["--repeats", "1", "--json", str(tmp_path / "rows.json")])
+    benchmark.main(["--repeats", "1", "--batch-sizes", "2", "8", "--contexts", "17", "64",
+                    "--json", str(tmp_path / "rows.json")])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split()[:1] in (["decode"], ["prefill"])]
-    cells = [("decode", b, c) for b in ("8", "32") for c in ("64", "128", "256", "1024")]
-    cells += [("prefill", str(b), str(c)) for b, c in benchmark.PREFILL_CASES["cpu"]]
+            if line.split()[:1] in (["decode"], ["prefill"], ["prefix"])]
+    cells = [(kind, b, c) for kind in benchmark.KINDS for b in ("2", "8") for c in ("17", "64")]
     assert [tuple(r[:3]) for r in rows] == cells
+    assert all(len(r) == 9 for r in rows)   # on CPU the reference is a third column
     saved = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert [(r["kind"], str(r["batch"]), str(r["context"])) for r in saved] == cells
     assert all(r["max_abs_diff"] < 1e-3 for r in saved)   # the paged side computes the same attention

@@ -84,12 +84,17 @@ class PagedCase:
     """
 
     def __init__(self, seq_lens, q_lens, block_size, num_q_heads, num_kv_heads, head_dim,
-                 dtype, seed=0, spare_blocks=3):
+                 dtype, seed=0, spare_blocks=3, shared_blocks=0):
+        """shared_blocks: every sequence's first (up to) that many blocks are sequence 0's, as
+        after a prefix-cache hit: the same physical blocks in several tables."""
         gen = torch.Generator().manual_seed(seed)
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.block_size, self.dtype, self.scale = block_size, dtype, head_dim ** -0.5
         blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-        num_blocks = sum(blocks_per_seq) + spare_blocks
+        # A shared block must be full in sequence 0 and in the sharer (only full blocks are shared).
+        shared = [0] + [min(shared_blocks, n // block_size, seq_lens[0] // block_size)
+                        for n in seq_lens[1:]]
+        num_blocks = sum(blocks_per_seq) - sum(shared) + spare_blocks
         self.pool, self.k_cache, self.v_cache = make_pool(
             num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
 
@@ -102,7 +107,11 @@ class PagedCase:
         for s, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
             k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
             v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-            for i in range(blocks_per_seq[s]):
+            common = shared[s] * block_size
+            if common:
+                k[:common], v[:common] = self.keys[0][:common], self.values[0][:common]
+                table[s, :shared[s]] = table[0, :shared[s]]
+            for i in range(shared[s], blocks_per_seq[s]):
                 block = physical.pop()
                 table[s, i] = block
                 lo, hi = i * block_size, min(n, (i + 1) * block_size)
@@ -141,6 +150,8 @@ class PagedCase:
 
 
 def tolerance(dtype):
+    if dtype == torch.bfloat16:  # torch.testing's own for bf16: 2 ulps of an 8-bit mantissa
+        return {"atol": 1e-5, "rtol": 1.6e-2}
     return {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {"atol": 2e-5, "rtol": 2e-5}
 
 
@@ -178,6 +189,124 @@ def test_reference_decode_matches_contiguous(block_size, num_kv_heads):
     assert_close(out, case.contiguous(), torch.float32)
     # paged_attention with one query per sequence is the same computation
     assert_close(case.paged("reference"), out, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The C++ CPU kernel (kernels/cpu_ops.py) vs reference vs contiguous
+# ----------------------------------------------------------------------------------------------
+
+CPU_DTYPES = [torch.float32, torch.bfloat16]
+# Context lengths 1..2048, on and off block boundaries (block size 16).
+DECODE_LENS = [1, 2, 15, 16, 17, 100, 513, 1000, 2048]
+# (seq_len, q_len): prefill over a long cached prefix, a prefix ending mid-block, pure prefill of
+# more than one query tile, a one-token prefix, and a decode row inside the ragged batch.
+PREFILL_ROWS = [(2048, 40), (700, 37), (53, 53), (18, 17), (1000, 1)]
+
+
+def cpu_case(kind, dtype, group, head_dim, seed):
+    lens, q_lens = ((DECODE_LENS, [1] * len(DECODE_LENS)) if kind == "decode"
+                    else map(list, zip(*PREFILL_ROWS)))
+    if kind == "prefill":  # sequence 0 (the longest) lends its first blocks to the others
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        lens, q_lens = [lens[i] for i in order], [q_lens[i] for i in order]
+    else:
+        lens, q_lens = lens[::-1], q_lens[::-1]
+    return PagedCase(seq_lens=lens, q_lens=q_lens, block_size=16, num_q_heads=2 * group,
+                     num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=seed, shared_blocks=3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel serves CPU tensors")
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_matches_reference(kind, dtype, group, head_dim):
+    case = cpu_case(kind, dtype, group, head_dim, seed=group * head_dim)
+    assert case.block_tables[1, 0] == case.block_tables[0, 0]   # a block shared by two tables
+    if kind == "decode":
+        args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
+        out = kernels.paged_decode_attention(*args, impl="cpu")
+        assert_close(out, kernels.paged_decode_attention(*args, impl="reference"), dtype)
+        assert_close(case.paged("cpu"), out, dtype)   # the ragged entry point agrees on decode rows
+    else:
+        out = case.paged("cpu")
+        assert_close(out, case.paged("reference"), dtype)
+    if dtype == torch.float32:
+        assert_close(out, case.contiguous(), dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel serves CPU tensors")
+@pytest.mark.parametrize("block_size,head_dim", [(8, 16), (32, 32), (128, 256), (256, 64)])
+def test_cpu_kernel_other_block_and_head_sizes(block_size, head_dim):
+    # Blocks smaller and larger than one 16-float vector of scores; every head size limits.py allows
+    # besides 64 and 128; fp16 too (the dtype a CUDA pool has, should one be read on CPU).
+    for dtype in (torch.float32, torch.float16):
+        case = PagedCase(seq_lens=[block_size + 37, 5, 3 * block_size], q_lens=[20, 1, 1],
+                         block_size=block_size, num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
+                         dtype=dtype, seed=block_size, spare_blocks=1)
+        assert_close(case.paged("cpu"), case.paged("reference"), dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel serves CPU tensors")
+def test_cpu_kernel_takes_strided_queries_and_an_empty_batch():
+    case = PagedCase(seq_lens=[40, 9], q_lens=[3, 1], block_size=16, num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=2)
+    # q as the model makes it: a slice of a fused QKV projection (stride(0) > Hq * D)
+    qkv = torch.randn(case.q.shape[0], 3, 4, 32)
+    qkv[:, 0] = case.q
+    strided = PagedCase.__new__(PagedCase)
+    vars(strided).update(vars(case), q=qkv[:, 0])
+    assert not strided.q.is_contiguous()
+    assert_close(strided.paged("cpu"), case.paged("reference"), torch.float32)
+    empty = kernels.paged_decode_attention(case.q[:0], case.k_cache, case.v_cache,
+                                           case.block_tables[:0], case.seq_lens_t[:0], case.scale,
+                                           impl="cpu")
+    assert empty.shape == (0, 4, 32)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel serves CPU tensors")
+def test_cpu_kernel_refuses_a_table_that_leaves_the_pool():
+    case = PagedCase(seq_lens=[40, 9], q_lens=[1, 1], block_size=16, num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=6)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
+    case.block_tables[0, 2] = case.k_cache.shape[0]   # the last block sequence 0 reads
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(*args, impl="cpu")
+    case.block_tables[0, 2] = -1
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(*args, impl="cpu")
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables[:, :2],
+                                       case.seq_lens_t, case.scale, impl="cpu")
+
+
+def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(monkeypatch, caplog):
+    from kernels import cpu_ops
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu_ops, "_state", {})   # as in a fresh process
+    with caplog.at_level("WARNING", logger="pagedserve.kernels"):
+        assert kernels.resolve_impl(torch.zeros(1), None) == "reference"
+    assert "no C++ compiler" in caplog.text and "using the PyTorch reference" in caplog.text
+    assert "no C++ compiler" in cpu_ops.unavailable_reason()
+    case = PagedCase(seq_lens=[40, 9], q_lens=[3, 1], block_size=16, num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=4)
+    assert torch.equal(case.paged(None), case.paged("reference"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        case.paged("cpu")
+
+
+def test_cpu_kernel_build_is_cached_across_processes():
+    """A second process loads the library the first built: it does not compile it again."""
+    import subprocess
+    import sys
+    from kernels import cpu_ops
+    assert cpu_ops.available()
+    library = cpu_ops.build_directory() / "pagedserve_cpu.so"
+    before = library.stat().st_mtime_ns
+    code = "from kernels import cpu_ops; assert cpu_ops.available(), cpu_ops.unavailable_reason()"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert library.stat().st_mtime_ns == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,9 +493,10 @@ def test_reference_copy_blocks_reads_before_writing():
 # Dispatch
 # ----------------------------------------------------------------------------------------------
 
-def test_dispatch_picks_reference_for_cpu_and_rejects_unknown_impl():
+def test_dispatch_picks_the_cpu_kernel_for_cpu_attention_and_rejects_unknown_impl():
     cpu = torch.zeros(1)
-    assert kernels.resolve_impl(cpu, None) == "reference"
+    assert kernels.resolve_impl(cpu, None) == "cpu"   # the compiler is on every CI machine
+    assert kernels.resolve_impl(cpu, None, attention=False) == "reference"
     assert kernels.resolve_impl(cpu, "triton") == "triton"
     with pytest.raises(ValueError):
         kernels.resolve_impl(cpu, "cuda")

@@ -1,0 +1,400 @@
+// CPU paged attention that reads K/V where the block tables say they are: no gather, no copy of
+// the context. Registered as torch.ops.pagedserve_cpu.paged_attention (kernels/cpu_ops.py builds
+// it on first use). Semantics are kernels/reference.py's paged_attention.
+//
+// One work item is (sequence, query tile, kv head): the tile's query positions times the G query
+// heads that share the kv head are its rows, so each key/value row read from the cache serves all
+// of them. Keys are visited block by block through the table, with an online softmax (running
+// max m, running sum l, unnormalised accumulator acc per row: flash-decoding), so nothing the size
+// of the context is ever materialised. Every product is accumulated in float32 whatever the cache
+// dtype. The causal limit of a row is a prefix of each block, so no mask is built.
+//
+// Only portable flags are assumed (kernels/cpu_ops.py adds -march=native where the compiler has
+// it): the inner loops are written on 16-float vector-extension types that gcc and clang lower to
+// AVX-512, AVX2, SSE or NEON. Threads are ATen's (at::parallel_for over work items), so
+// torch.set_num_threads governs them and no second OpenMP runtime is linked.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// 16 floats in GCC/Clang vector-extension types: one AVX-512 register, two AVX2 ones, four NEON
+// ones; the compiler lowers them to whatever -march allows, so no intrinsics tie us to one ISA.
+constexpr int64_t W = 16;
+typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
+typedef float vhalf __attribute__((vector_size(W / 2 * sizeof(float))));
+typedef float vquarter __attribute__((vector_size(W / 4 * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+// For constants only (folded at compile time): a runtime scalar is broadcast by writing it as an
+// operand, `x * v`, since `vfloat{} + x` is a scalar add (0 + -0 is +0) before the broadcast.
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// Sum of the 16 lanes by halving (a tree of shuffles and adds, not 15 dependent scalar adds).
+inline float hsum(vfloat v) {
+  vhalf lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  lo += hi;
+  vquarter a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&lo) + sizeof(a), sizeof(b));
+  a += b;
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// Largest of the 16 lanes, by the same halving.
+inline float hmax(vfloat v) {
+  vhalf lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  lo = lo > hi ? lo : hi;
+  vquarter a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&lo) + sizeof(a), sizeof(b));
+  a = a > b ? a : b;
+  return std::max(std::max(a[0], a[2]), std::max(a[1], a[3]));
+}
+
+// exp(x) for x <= 0 (a score minus its running max), lane-wise: Cephes' single-precision
+// polynomial, ~1 ulp. Below -87 the result is ~1e-38 rather than 0, which vanishes next to the
+// row's sum (>= 1).
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  // n = round(x / ln2): truncation rounds a negative number toward zero, hence the -0.5
+  const vint ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
+  const vfloat n = __builtin_convertvector(ni, vfloat);
+  vfloat r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint bits = (ni + 127) << 23;  // 2^n
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Geometry {
+  int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, group;
+  int64_t q_s0, q_s1, out_s0, out_s1;       // [T, Hq, D] strides (D stride is 1)
+  int64_t c_s0, c_s1, c_s2;                 // cache [N, B, Hkv, D] strides, shared by K and V
+  int64_t table_s0;
+  float scale;
+};
+
+// Query positions per work item: rows = TILE * G stay few enough that their accumulators
+// ([rows, D] floats) live in L1 next to one block of K and V.
+constexpr int64_t kQueryTile = 16;
+// From this many rows on, a block's keys are transposed ([D, B]) so that scores come out 16 keys
+// to a vector (one FMA per dimension, no horizontal sum); the transpose costs B * D moves per
+// block, which pays for itself only over many rows. Decode (rows = G) takes dot products instead.
+constexpr int64_t kTransposeRows = 16;
+constexpr int64_t kRowBlock = 4;  // rows scored together against one transposed block
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Scratch of one thread, reused across its work items.
+struct Scratch {
+  std::vector<float> data;
+  float* take(size_t floats) {
+    if (data.size() < floats) data.resize(floats);
+    return data.data();
+  }
+};
+
+// Scores of rows [r0, r0 + kRowBlock) against keys [0, BW) of a transposed block kt [D, BW]:
+// score [rows, BW]. Rows past `rows` have zero queries (qf is padded), so they cost but do no harm.
+template <int64_t D>
+inline void score_transposed(const float* qf, const float* kt, int64_t r0, int64_t n, int64_t BW,
+                             float* score) {
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    vfloat s[kRowBlock] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const vfloat k = load(kt + d * BW + t0);
+      for (int64_t j = 0; j < kRowBlock; ++j) s[j] += qf[(r0 + j) * D + d] * k;
+    }
+    for (int64_t j = 0; j < kRowBlock; ++j) store(score + (r0 + j) * BW + t0, s[j]);
+  }
+}
+
+// Score of row r against keys [0, nr) of block kb (row stride ks), by dot products.
+template <int64_t D>
+inline void score_dot(const float* qr, const float* kb, int64_t ks, int64_t nr, float* score) {
+  constexpr int64_t C = D / W;
+  vfloat qv[C];
+  for (int64_t c = 0; c < C; ++c) qv[c] = load(qr + c * W);
+  for (int64_t t = 0; t < nr; ++t) {
+    const float* kr = kb + t * ks;
+    vfloat s0 = qv[0] * load(kr), s1 = vfloat{};  // two chains: FMA latency, not throughput
+    for (int64_t c = 1; c < C; ++c) {
+      if (c % 2) s1 += qv[c] * load(kr + c * W);
+      else s0 += qv[c] * load(kr + c * W);
+    }
+    score[t] = hsum(s0 + s1);
+  }
+}
+
+// One (sequence, query tile, kv head): rows = num_q query positions x G heads. D is a template
+// parameter so that a row's query and accumulator (D / 16 vectors each) stay in registers.
+template <typename T, int64_t D>
+void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
+                 const int32_t* table, int64_t seq, int64_t kv_head, int64_t q_first,
+                 int64_t num_q, int64_t pos_first, T* out, Scratch& scratch) {
+  constexpr int64_t C = D / W;  // vectors per head row
+  const int64_t B = g.block_size, G = g.group;
+  const int64_t BW = round_up(B, W);
+  const int64_t rows = num_q * G;  // row r: query (q_first + r / G), head (kv_head * G + r % G)
+  const bool transpose = rows >= kTransposeRows;
+  const int64_t rows_padded = round_up(rows, kRowBlock);
+  float* qf = scratch.take(static_cast<size_t>(2 * rows_padded * D + 2 * rows_padded +
+                                               rows_padded * BW + 2 * BW * D));
+  float* acc = qf + rows_padded * D;     // [rows, D] unnormalised output
+  float* m = acc + rows_padded * D;      // [rows] running max
+  float* l = m + rows_padded;            // [rows] running sum of exp
+  float* score = l + rows_padded;        // [rows, BW] this block's scores, then probabilities
+  float* kbuf = score + rows_padded * BW;  // [B, D] K in float (non-float caches) or [D, BW] K^T
+  float* vbuf = kbuf + BW * D;           // [B, D] V in float (non-float caches)
+
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    if (r < rows) {
+      const T* src = q + (q_first + r / G) * g.q_s0 + (kv_head * G + r % G) * g.q_s1;
+      for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(src[i]) * g.scale;
+    } else {
+      std::fill(qf + r * D, qf + (r + 1) * D, 0.0f);
+    }
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+
+  const int64_t kv_end = pos_first + num_q;  // the last row sees keys [0, kv_end)
+  const int64_t num_blocks = (kv_end + B - 1) / B;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t base = b * B;
+    const int64_t n = std::min(B, kv_end - base);
+    const int64_t off = static_cast<int64_t>(table[seq * g.table_s0 + b]) * g.c_s0 + kv_head * g.c_s2;
+    if (b + 1 < num_blocks) {
+      // The next block is anywhere in the pool: no hardware prefetcher guesses the jump, so ask
+      // for its rows now and let them arrive while this block is computed.
+      const int64_t next = static_cast<int64_t>(table[seq * g.table_s0 + b + 1]) * g.c_s0 + kv_head * g.c_s2;
+      const int64_t next_n = std::min(B, kv_end - base - B);
+      for (int64_t t = 0; t < next_n; ++t) {
+        for (int64_t i = 0; i < D; i += 64 / static_cast<int64_t>(sizeof(T))) {
+          __builtin_prefetch(k_cache + next + t * g.c_s1 + i);
+          __builtin_prefetch(v_cache + next + t * g.c_s1 + i);
+        }
+      }
+    }
+    // Keys and values of this block as float rows (in place for a float cache).
+    const float* kb;
+    const float* vb;
+    int64_t kv_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k_cache + off;
+      vb = v_cache + off;
+      kv_stride = g.c_s1;
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* vs = v_cache + off + t * g.c_s1;
+        for (int64_t i = 0; i < D; ++i) vbuf[t * D + i] = to_float(vs[i]);
+      }
+      vb = vbuf;
+      kv_stride = D;
+      kb = kbuf;
+    }
+    if (transpose) {
+      // kbuf becomes K^T [D, BW], keys past n zero; every row's scores for the block at once.
+      const T* ks = k_cache + off;
+      for (int64_t i = 0; i < D; ++i)
+        for (int64_t t = 0; t < n; ++t) kbuf[i * BW + t] = to_float(ks[t * g.c_s1 + i]);
+      for (int64_t i = 0; i < D; ++i) std::fill(kbuf + i * BW + n, kbuf + (i + 1) * BW, 0.0f);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) score_transposed<D>(qf, kbuf, r0, n, BW, score);
+    } else if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* ks = k_cache + off + t * g.c_s1;
+        for (int64_t i = 0; i < D; ++i) kbuf[t * D + i] = to_float(ks[i]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // Row r's query sits at pos_first + r / G and sees keys up to and including it.
+      const int64_t nr = std::min(n, pos_first + r / G + 1 - base);
+      if (nr <= 0) continue;
+      float* sr = score + r * BW;
+      if (!transpose) score_dot<D>(qf + r * D, kb, kv_stride, nr, sr);
+      // Lanes past nr take part in whole-vector max and exp: -inf there changes no max, and its
+      // exp is ~1e-38, nothing.
+      for (int64_t t = nr; t < round_up(nr, W); ++t) sr[t] = -std::numeric_limits<float>::infinity();
+      vfloat vmax = load(sr);
+      for (int64_t t0 = W; t0 < nr; t0 += W) {
+        const vfloat x = load(sr + t0);
+        vmax = x > vmax ? x : vmax;
+      }
+      const float m_new = std::max(m[r], hmax(vmax));
+      vfloat sum = vfloat{};
+      for (int64_t t0 = 0; t0 < nr; t0 += W) {
+        const vfloat p = exp_nonpositive(load(sr + t0) - m_new);
+        store(sr + t0, p);
+        sum += p;
+      }
+      float* ar = acc + r * D;
+      vfloat a[C];
+      for (int64_t c = 0; c < C; ++c) a[c] = load(ar + c * W);
+      if (m_new > m[r]) {
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
+        l[r] *= alpha;
+        for (int64_t c = 0; c < C; ++c) a[c] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += hsum(sum);
+      for (int64_t t = 0; t < nr; ++t) {
+        const float* vr = vb + t * kv_stride;
+        const float p = sr[t];
+        for (int64_t c = 0; c < C; ++c) a[c] += p * load(vr + c * W);
+      }
+      for (int64_t c = 0; c < C; ++c) store(ar + c * W, a[c]);
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (q_first + r / G) * g.out_s0 + (kv_head * G + r % G) * g.out_s1;
+    const float inv = 1.0f / l[r];
+    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[r * D + i] * inv);
+  }
+}
+
+// q [T, Hq, D]; k_cache, v_cache [N, B, Hkv, D] (any stride(0), unit stride on D, same strides);
+// block_tables [S, max_blocks] int32; seq_lens [S] int32; query_start_loc [S+1] int32, or empty
+// for decode (one query per sequence, T == S). Returns [T, Hq, D] in q's dtype.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T, Hq, D], caches [N, B, Hkv, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must share shape and strides");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "unit stride on the head dimension");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt, "block tables and lengths are int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "contiguous tables and lengths");
+  Geometry g{};
+  g.num_seqs = seq_lens.size(0);
+  g.num_q_heads = q.size(1);
+  g.num_kv_heads = k_cache.size(2);
+  g.head_dim = q.size(2);
+  g.block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == g.head_dim, "q and cache head dims differ");
+  TORCH_CHECK(g.num_q_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  g.group = g.num_q_heads / g.num_kv_heads;
+  const bool decode = query_start_loc.numel() == 0;
+  TORCH_CHECK(decode ? q.size(0) == g.num_seqs : query_start_loc.numel() == g.num_seqs + 1,
+              "query_start_loc must have one entry per sequence plus one (or be empty for decode)");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  g.q_s0 = q.stride(0);
+  g.q_s1 = q.stride(1);
+  g.out_s0 = out.stride(0);
+  g.out_s1 = out.stride(1);
+  g.c_s0 = k_cache.stride(0);
+  g.c_s1 = k_cache.stride(1);
+  g.c_s2 = k_cache.stride(2);
+  g.table_s0 = block_tables.stride(0);
+  g.scale = static_cast<float>(scale);
+  if (q.size(0) == 0) return out;
+
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = decode ? nullptr : query_start_loc.data_ptr<int32_t>();
+  // Work items: (sequence, query tile) pairs, each run for every kv head.
+  std::vector<int64_t> item_seq, item_tile;
+  for (int64_t s = 0; s < g.num_seqs; ++s) {
+    const int64_t q_len = decode ? 1 : qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, " has ", q_len, " queries for ", lens[s], " keys");
+    // Every block the kernel will read must be in the pool: a bad table is an error, not a read
+    // of some other memory.
+    const int64_t used = (lens[s] + g.block_size - 1) / g.block_size;
+    TORCH_CHECK(used <= block_tables.size(1), "sequence ", s, " needs ", used, " blocks; its table has ",
+                block_tables.size(1));
+    const int32_t* row = block_tables.data_ptr<int32_t>() + s * g.table_s0;
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "sequence ", s, " block ", b, " is ", row[b],
+                  ", outside the pool of ", k_cache.size(0));
+    for (int64_t t = 0; t * kQueryTile < q_len; ++t) {
+      item_seq.push_back(s);
+      item_tile.push_back(t);
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * g.num_kv_heads;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int32_t* tp = block_tables.data_ptr<int32_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    auto attend = &attend_item<scalar_t, 64>;
+    switch (g.head_dim) {
+      case 16: attend = &attend_item<scalar_t, 16>; break;
+      case 32: attend = &attend_item<scalar_t, 32>; break;
+      case 64: break;
+      case 128: attend = &attend_item<scalar_t, 128>; break;
+      case 256: attend = &attend_item<scalar_t, 256>; break;
+      default: TORCH_CHECK(false, "head_dim must be 16, 32, 64, 128 or 256, got ", g.head_dim);
+    }
+    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      Scratch buf;
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t pair = it / g.num_kv_heads, kv_head = it % g.num_kv_heads;
+        const int64_t s = item_seq[pair], tile = item_tile[pair];
+        const int64_t start = decode ? s : qsl[s];
+        const int64_t q_len = decode ? 1 : qsl[s + 1] - qsl[s];
+        const int64_t first = tile * kQueryTile;
+        const int64_t num_q = std::min(kQueryTile, q_len - first);
+        const int64_t pos_first = lens[s] - q_len + first;
+        attend(g, qp, kp, vp, tp, s, kv_head, start + first, num_q, pos_first, op, buf);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
