@@ -1,6 +1,7 @@
 """The router's FastAPI app: routes, error handlers, auth, and the context they share.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (live; /ping
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize and /detokenize (vLLM's),
+GET /v1/models, GET /health (live; /ping
 too, as vLLM), GET /version, GET /ready (a scheduler answers Ping with ready=True), GET /metrics (Prometheus), GET /v1/kv (the
 block store's stats), GET /v1/requests/{id}, POST /v1/requests/{id}/cancel (and DELETE
 /v1/requests/{id}): any router can report on or cancel a request made through another one.
@@ -36,9 +37,10 @@ from services.router.errors import APIError, bad_request, error_body
 from services.router.guard import Guard
 from services.router.metrics import CONTENT_TYPE, RouterMetrics
 from services.router.model_info import ModelInfo
-from services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, openapi_body,
-                                           validation_error)
+from services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest, openapi_body, validation_error)
 from services.router.replicas import Backends
+from services.router.tokenization import detokenize, tokenize
 from services.state import StateStore
 
 log = logging.getLogger("pagedserve.router")
@@ -114,6 +116,11 @@ class RouterContext:
         except UnicodeEncodeError:
             raise bad_request("the text is not valid Unicode (it holds a lone surrogate)", param) from None
         return list(self.info.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {self.info.vocab_size})", param)
 
     async def off_loop(self, fn, *args, size: int = 0):
         """Run fn(*args) in a thread when size (characters to tokenize) is large: the tokenizer
@@ -245,6 +252,15 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await admitted(create_chat_completion, request)
+
+    # vLLM's tokenizer routes: outside /v1, and (as vLLM's) not behind the API key.
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        return JSONResponse(await tokenize(ctx, request))
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        return JSONResponse(await detokenize(ctx, request))
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -10,7 +10,7 @@ from services.router.generation import Generation
 from services.guided import spec as specs
 from services.router.constraints import constraint_of
 from services.router.constraints import check as check_constraint
-from services.router.openai_schema import ChatCompletionRequest, parse_body, sampling_params
+from services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, parse_body, sampling_params
 from services.router.tools import ToolPlan, tool_plan
 from services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from services.sampling_params import MAX_LOGPROBS
@@ -23,15 +23,14 @@ async def create_chat_completion(ctx: "RouterContext", request):
     req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
     plan = tool_plan(req)
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
-                          "continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
-    size = sum(len(_text(m.content)) for m in req.messages)
+    size = messages_size(req.messages)
     prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
+    if not prompt_ids:
+        raise bad_request("the rendered prompt is empty", "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No max_tokens in chat means "the rest of the context", as in vLLM.
     max_tokens = ctx.fit_max_tokens([len(prompt_ids)], asked, "messages")
@@ -64,10 +63,23 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 DEVELOPER_JOIN = "\n\n"
 
 
+# apply_chat_template's arguments that change the call, not what the template sees (vLLM refuses
+# chat_template and tokenize; the others would change the type of what comes back). Template
+# inputs such as tools and documents pass, as in vLLM.
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "chat_template", "tokenize", "padding", "truncation",
+                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
 def _text(content) -> str:
     if isinstance(content, list):
         return "\n".join(p.text or "" for p in content)     # as vLLM joins text parts
     return content or ""
+
+
+def messages_size(messages) -> int:
+    """Characters the template will be given: long chats are tokenized off the event loop."""
+    return sum(len(_text(m.content)) for m in messages)
 
 
 def echo_of(req: ChatCompletionRequest) -> str:
@@ -80,7 +92,11 @@ def echo_of(req: ChatCompletionRequest) -> str:
     return _text(last.content) if last.role == role else ""
 
 
-def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]:
+def render_prompt(ctx: "RouterContext", req: _ChatTemplateFields) -> list[int]:
+    """The messages through the model's chat template, tokenized (chat completions, /tokenize)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
     messages = []
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:
@@ -95,16 +111,18 @@ def render_prompt(ctx: "RouterContext", req: ChatCompletionRequest) -> list[int]
     tok = ctx.info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    # As vLLM merges them: the request's template variables, then its two flags over them.
+    kwargs = {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
+              "continue_final_message": req.continue_final_message}
+    if set(kwargs) & TEMPLATE_CALL_ARGS:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(set(kwargs) & TEMPLATE_CALL_ARGS))}",
+                          "chat_template_kwargs")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                                       continue_final_message=req.continue_final_message)
+        text = tok.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # jinja raises its own types for templates that reject the messages
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
     # As vLLM: no special tokens beyond the template's own unless the client asks (templates write the BOS).
-    ids = ctx.tokenize(text, add_special_tokens=req.add_special_tokens, param="messages")
-    if not ids:
-        raise bad_request("the rendered prompt is empty", "messages")
-    return ids
+    return ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages")
 
 
 def _developer_as_system(messages: list[dict]) -> list[dict]:

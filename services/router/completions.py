@@ -74,9 +74,7 @@ def tokenize_prompts(ctx: "RouterContext", items: list, add_special_tokens: bool
         ids = ctx.tokenize(item, add_special_tokens) if isinstance(item, str) else list(item)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < ctx.info.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {ctx.info.vocab_size})", "prompt")
+        ctx.check_token_ids(ids, "prompt")
         out.append(ids)
     return out
 

@@ -2,7 +2,8 @@
 
 A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap every streamed response):
 - `/v1/*` needs `Authorization: Bearer KEY` when keys are configured (401 otherwise, as vLLM);
-  `/health`, `/ping`, `/ready`, `/version` and `/metrics` stay public, for probes and Prometheus.
+  `/health`, `/ping`, `/ready`, `/version` and `/metrics` stay public, for probes and Prometheus,
+  and `/tokenize`, `/detokenize` too, as vLLM leaves them (it guards only /v1 and a few prefixes).
   Keys given on the command line are compared in constant time (every configured key is compared,
   a mismatch takes as long as a match); keys kept in Redis (--require-api-key) are found by the
   SHA-256 of the key, which tells an attacker nothing about any key.

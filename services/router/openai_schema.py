@@ -95,22 +95,44 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Strict):
+    """What the chat template is rendered from (services/router/chat.py render_prompt); chat
+    completions and /tokenize take the same fields, with vLLM's defaults."""
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False          # as vLLM: the chat template writes the BOS itself
+    # Extra variables for the template (vLLM's); the two flags above win over keys of the same name.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     echo: bool = False
-    add_special_tokens: bool = False          # as vLLM: the chat template writes the BOS itself
     # Tool calling: tool_choice "required" or a named function constrains the output to the tools'
     # argument schemas (services/router/tools.py); "auto" needs a model's tool parser: a 400.
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
+
+
+class TokenizeRequest(_ChatTemplateFields):
+    """vLLM's /tokenize body: its completion form (`prompt`) or its chat form (`messages`), one of
+    the two. add_special_tokens defaults by form, as in vLLM: true for a prompt, false for chat."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def openapi_body(model: type[BaseModel]) -> dict:
