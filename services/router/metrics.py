@@ -137,6 +137,12 @@ class RouterMetrics:
         self._rejections = {r: rejections.labels(model_name, r) for r in ADMISSION_REASONS}
         self._errors = Counter("pagedserve:request_errors", "Requests answered with an error, by HTTP status.",
                                ["model_name", "status"], registry=reg)
+        # Streams send a chunk per token (vLLM's); a stream the router has fallen behind merges
+        # what queued up. This counts the tokens that went out merged, not in a chunk of their own.
+        self.stream_merged_tokens = Counter("pagedserve:stream_merged_tokens",
+                                            "Streamed tokens sent merged into an earlier token's chunk "
+                                            "because the router had fallen behind the stream.",
+                                            ["model_name"], registry=reg).labels(model_name)
         self.engines = EngineCollector(model_name)
         reg.register(self.engines)
 
