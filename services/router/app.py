@@ -130,6 +130,10 @@ class RouterContext:
         # One thread: long texts wait their turn instead of taking every core from the streams.
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
+    def stream_interval(self, asked: int | None) -> int:
+        """Tokens per streamed chunk: --stream-interval, raised (never lowered) by the request's own, as vLLM."""
+        return max(asked or 1, self.config.stream_interval)
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")

@@ -47,7 +47,7 @@ async def create_chat_completion(ctx: "RouterContext", request):
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream), true_output_len=req.true_output_len,
-                     ticket=request.state.ticket)
+                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
@@ -172,8 +172,6 @@ class ChatFormatter:
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
         for ev in events:
-            if ev.says_nothing(self.top is not None or self.token_ids):
-                continue
             out.append({**self._base(), "choices": [{
                 # content even when empty (a token that ends the choice unseen), as vLLM sends it
                 "index": ev.index, "delta": {"content": ev.text},

@@ -30,10 +30,18 @@ class ChoiceEvent:
     finish_reason: str | None = None
     num_new_tokens: int = 0
     stop_reason: str | int | None = None     # the stop string or stop token id that ended it
+    tokens_so_far: int = 0                   # the choice's tokens up to and with this event's
 
-    def says_nothing(self, with_logprobs: bool) -> bool:
-        """No text, no end, and no logprobs a client asked for: nothing to send in a stream."""
-        return not self.text and self.finish_reason is None and not (with_logprobs and self.logprobs)
+    def says_nothing(self) -> bool:
+        """No token, no text, no end: nothing to send in a stream. A token whose text is not out
+        yet (part of a character, or held for a stop string) is still a chunk, with "", as vLLM's."""
+        return not self.num_new_tokens and not self.text and self.finish_reason is None
+
+    def then(self, later: "ChoiceEvent") -> "ChoiceEvent":
+        """This event and the same choice's next one, as one chunk's worth."""
+        return ChoiceEvent(self.index, self.text + later.text, self.logprobs + later.logprobs,
+                           later.finish_reason, self.num_new_tokens + later.num_new_tokens,
+                           later.stop_reason, later.tokens_so_far)
 
 
 class ChoiceState:
@@ -104,7 +112,8 @@ class ChoiceState:
         self.cumulative_logprob = delta.cumulative_logprob
         text = "".join(parts)
         self.text += text
-        return ChoiceEvent(self.index, text, new_lps, self.finish_reason, len(new_lps), self.stop_reason)
+        return ChoiceEvent(self.index, text, new_lps, self.finish_reason, len(new_lps), self.stop_reason,
+                           len(self.token_ids))
 
     def finish(self, reason: str) -> ChoiceEvent:
         """End the choice from the router's side (its request ended without a word on it)."""
@@ -113,7 +122,7 @@ class ChoiceState:
         text = out + ("" if matched else self.stops.flush())
         self.text += text
         self.finish_reason = "stop" if matched else reason
-        return ChoiceEvent(self.index, text, [], self.finish_reason, 0, self.stop_reason)
+        return ChoiceEvent(self.index, text, [], self.finish_reason, 0, self.stop_reason, len(self.token_ids))
 
 
 def _at(values, k):

@@ -42,7 +42,7 @@ async def create_completion(ctx: "RouterContext", request):
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
                      stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,
-                     ticket=request.state.ticket)
+                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval))
     await gen.start()
     # The prompt as sent; token prompts as their text, special tokens included.
     echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \
@@ -158,8 +158,6 @@ class CompletionFormatter:
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
         out = []
         for ev in events:
-            if ev.says_nothing(self.logprobs is not None or self.token_ids):
-                continue
             p = self._prompt_of(ev.index)
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs, self.offsets[p]),

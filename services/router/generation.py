@@ -17,6 +17,7 @@ from services.router.choices import ChoiceEvent, ChoiceState
 from services.router.detokenizer import IncrementalDetokenizer
 from services.router.errors import APIError
 from services.router.metrics import FinishedRequest
+from services.router.pacing import BEHIND_UPDATES, StreamPacer
 from services.router.scheduler_client import Buffered, Failure, SchedulerUnavailable
 from services.router.stop_strings import StopStrings
 from services.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class Generation:
     def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
                  params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
                  stream: bool = True, score_only: bool = False, true_output_len: int | None = None,
-                 ticket: Ticket | None = None):
+                 ticket: Ticket | None = None, stream_interval: int = 1):
         self.ctx = ctx
         self.ticket = ticket                 # the router's queue place, given back at the first token
         self.true_output_len = true_output_len
@@ -48,6 +49,8 @@ class Generation:
         # nothing in it can end the request early: its updates are merged by the scheduler client
         # and applied once, instead of waking this request's task every step.
         self.buffered = not stream and not params.stop
+        # A stream's chunks: one per token, or every stream_interval tokens (services/router/pacing.py).
+        self.pacer = StreamPacer(stream_interval) if stream else None
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -136,7 +139,8 @@ class Generation:
     async def events(self) -> AsyncIterator[list[ChoiceEvent]]:
         """Yields the choice events of each scheduler update until every choice is over.
 
-        Raises APIError for a rejected or failed request, ClientDisconnected if the client left."""
+        Raises APIError for a rejected or failed request, ClientDisconnected if the client left.
+        A stream's events are paced: one per token, or as --stream-interval says."""
         held = None
         while len(self.done) < len(self.prompts):
             msg, held = held or await self.queue.get(), None
@@ -144,12 +148,18 @@ class Generation:
             # Updates that queued up while the client was being written to go out as one batch
             # (a stream writes a batch at once); a failure or disconnect waits for the next round
             # so the text before it is sent first.
+            queued = 0
             while len(self.done) < len(self.prompts) and not self.queue.empty():
                 msg = self.queue.get_nowait()
                 if not isinstance(msg, (protocol.RequestUpdate, Buffered)) or getattr(msg, "error", None):
                     held = msg
                     break
                 events = events + self._handle(msg)
+                queued += 1
+            if self.pacer is not None:
+                events, merged = self.pacer.pace(events, behind=queued >= BEHIND_UPDATES)
+                if merged:
+                    self.ctx.metrics.stream_merged_tokens.inc(merged)
             yield events
 
     def _handle(self, msg) -> list[ChoiceEvent]:

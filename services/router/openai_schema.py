@@ -62,6 +62,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stream_interval: int | None = Field(default=None, ge=1)   # vLLM's: raises --stream-interval for this stream
     logit_bias: dict[str, float] | None = None
     # Structured output (services/router/constraints.py reads these): OpenAI's response_format,
     # vLLM's structured_outputs and its older guided_* fields.

@@ -49,6 +49,10 @@ class RouterOptions:
     request_timeout_s: float | None = opt(None, "seconds a request may take in all; then it is aborted, its "
                                                 "blocks freed, and it ends with a 504", flag="--request-timeout",
                                           check=positive)
+    # vLLM's flag: a stream's chunk carries one token (1), or N tokens, the first and the last
+    # chunk at once (services/router/pacing.py); a request's own stream_interval may raise it.
+    stream_interval: int = opt(1, "tokens per streamed chunk (the first and the final chunk go at once)",
+                               check=at_least(1))
     max_stop_strings: int = opt(4, "stop strings a request may send (OpenAI's limit is 4)", check=at_least(0))
     # CORS with vLLM's flags and defaults: no cross-origin browser access unless origins are named.
     allowed_origins: list[str] = _cors([], "origins browsers may call from")

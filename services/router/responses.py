@@ -21,7 +21,7 @@ DONE = "data: [DONE]\n\n"
 
 class Formatter(Protocol):
     def start_chunks(self) -> list[dict]: ...
-    def chunks(self, events: list[ChoiceEvent]) -> list[dict]: ...
+    def chunks(self, events: list[ChoiceEvent]) -> list[dict]: ...   # one per event, in order
     def usage_chunk(self) -> dict: ...
     def final(self) -> dict: ...
 
@@ -63,12 +63,10 @@ def prompt_logprobs_json(gen: Generation, p: int, text) -> list | None:
     return out
 
 
-def running_usage(gen: Generation, index: int, before_tokens: bool = False) -> dict:
-    """vLLM's continuous_usage_stats: one choice's usage so far (its prompt, its tokens; none yet
-    for the chunks that go before the first token: the role, the echoed prompt)."""
-    choice = gen.all_choices[index]
+def running_usage(gen: Generation, index: int, done: int) -> dict:
+    """vLLM's continuous_usage_stats: one choice's usage up to a chunk (its prompt, and its tokens
+    up to that chunk's: none yet for the chunks before the first token, the role, the echo)."""
     prompt = len(gen.prompts[index // gen.params.n])
-    done = 0 if before_tokens else len(choice.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
@@ -98,24 +96,30 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
         gen.close(None if gen.error else APIError(500, "internal error"))
         raise
 
-    def write(chunks: list[dict], before_tokens: bool = False) -> str:
+    def write(batch: list[ChoiceEvent]) -> str:
+        """A batch's chunks, one per event that says something, in one string."""
+        said = [ev for ev in batch if not ev.says_nothing()]
+        chunks = fmt.chunks(said)
         if continuous:
-            for c in chunks:
-                c["usage"] = running_usage(gen, c["choices"][0]["index"], before_tokens)
+            for c, ev in zip(chunks, said):
+                c["usage"] = running_usage(gen, ev.index, ev.tokens_so_far)
         return "".join(map(sse, chunks))
 
     async def body():
         try:
             # One write per batch of updates, not per chunk: a router that falls behind catches
             # up in fewer, larger sends (each send costs a trip through starlette and uvicorn).
-            head = write(fmt.start_chunks(), before_tokens=True) + \
-                (write(fmt.chunks(first)) if first is not None else "")
+            start = fmt.start_chunks()
+            if continuous:
+                for c in start:
+                    c["usage"] = running_usage(gen, c["choices"][0]["index"], 0)
+            head = "".join(map(sse, start)) + (write(first) if first is not None else "")
             if head:
                 yield head
             async for batch in events:
-                chunks = fmt.chunks(batch)
-                if chunks:
-                    yield write(chunks)
+                text = write(batch)
+                if text:
+                    yield text
             gen.close()
             yield (sse(fmt.usage_chunk()) if include_usage else "") + DONE
         except ClientDisconnected:
