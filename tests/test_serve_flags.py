@@ -26,7 +26,7 @@ VLLM_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--max-mod
               "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
               "--preemption-mode", "--tensor-parallel-size", "--max-queued-requests", "--shutdown-timeout",
               "--routers", "--redis-url", "--max-request-body-mb", "--max-queued-tokens", "--request-timeout",
-              "--kv-offloading-size"]
+              "--kv-offloading-size", "--stream-interval"]
 UP_ALIASES = ["--model", "--tensor-parallel", "--num-device-blocks", "--kv-cache-memory", "--no-prefix-caching",
               "--device"]
 
@@ -99,6 +99,7 @@ def test_api_keys_from_the_environment(monkeypatch):
     (["--swap-space", "1e30"], "--swap-space"),      # was a traceback in the kvstore
     (["--kv-offloading-size", "inf"], "--kv-offloading-size"),
     (["--kv-offloading-size", "-1"], "--kv-offloading-size"),
+    (["--stream-interval", "0"], "--stream-interval"),
 ])
 def test_bad_or_contradictory_flags_exit_2_with_one_line(capsys, argv, needle):
     code = main(["serve", *argv]) if "--bogus" not in argv else _exit_code(["serve", *argv])
@@ -147,7 +148,7 @@ def test_one_block_size_check_everywhere(value):
 def test_the_launcher_passes_its_router_settings_down(tmp_path, tiny_llama):
     cfg = serve(tiny_llama, "--api-key", "sk-secret", "--max-queued-requests", "5", "--request-timeout", "30",
                 "--allowed-origins", '["https://a.example"]', "--served-model-name", "tiny-x",
-                "--max-request-body-mb", "2", "--rate-limit", "9")
+                "--max-request-body-mb", "2", "--rate-limit", "9", "--stream-interval", "4")
     procs = dict(launcher.process_commands(cfg, tiny_llama, str(tmp_path)))
     argv = procs["router0"]
     assert "sk-secret" not in " ".join(argv)          # keys travel in the environment, not in `ps`
@@ -163,8 +164,8 @@ def test_the_launcher_passes_its_router_settings_down(tmp_path, tiny_llama):
         os.environ.clear()
         os.environ.update(old)
     assert (rcfg.api_keys, rcfg.max_queued_requests, rcfg.request_timeout_s, rcfg.allowed_origins,
-            rcfg.served_model_name, rcfg.max_request_body_mb, rcfg.rate_limit) == \
-        (["sk-secret"], 5, 30.0, ["https://a.example"], "tiny-x", 2.0, 9)
+            rcfg.served_model_name, rcfg.max_request_body_mb, rcfg.rate_limit, rcfg.stream_interval) == \
+        (["sk-secret"], 5, 30.0, ["https://a.example"], "tiny-x", 2.0, 9, 4)
 
 
 @pytest.mark.parametrize("flags,tier", [((), "whole"), (("--kv-offloading-size", "0"), 0),
