@@ -195,3 +195,19 @@ def test_request_timeout_counts_the_constraints_compile(info, fake):
         assert time.monotonic() - t0 < 1.8
         time.sleep(1.5)
         assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_a_running_non_streamed_request_leaves_the_queue(info, fake):
+    """A buffered request (not streamed, no stop strings) gives its queue place back at its
+    first token, as a streamed one does: it runs, it no longer waits (the audit found long
+    non-streamed requests refusing every new one with 503)."""
+    fake.token_delay_s = 0.05                # 40 tokens: about 2 s of running
+    with _router(info, fake, max_queued_requests=1, request_timeout_s=20.0) as r, \
+            httpx.Client(base_url=r.url, timeout=20) as http:
+        held: list = []
+        t = _hold(r.url, held, {"prompt": "x", "max_tokens": 40})
+        fake.wait_for(protocol.AddRequest, 1)
+        time.sleep(0.5)                      # its first tokens are out
+        assert http.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code == 200
+        t.join(20)
+        assert held and held[0].status_code == 200

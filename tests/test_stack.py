@@ -485,3 +485,33 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack, tiny_l
     finally:
         prom.terminate()
         prom.wait(10)
+
+
+def test_phases_of_requests_the_router_ended_and_ttft_per_prompt(stack, tiny_llama):
+    """A request ended by a stop string (the router aborts it) still gets the engine's phases, as
+    soon as the scheduler's final update arrives; a list of prompts times each first token."""
+    import httpx
+
+    def sums(url):
+        f = scrape(url)
+
+        def total(name, suffix):
+            return sum(s.value for s in f[name].samples if s.name.endswith(suffix))
+        return {"decode_sum": total("vllm:request_decode_time_seconds", "_sum"),
+                "decode_count": total("vllm:request_decode_time_seconds", "_count"),
+                "ttft_count": total("vllm:time_to_first_token_seconds", "_count")}
+    url = stack.urls[1]
+    body = {"model": tiny_llama, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    text = httpx.post(url + "/v1/completions", json={**body, "prompt": PROMPTS[1]}, timeout=60).json()
+    stop = text["choices"][0]["text"][6:9]        # a stop string a few tokens in
+    time.sleep(0.5)
+    before = sums(url)
+    r = httpx.post(url + "/v1/completions", json={**body, "prompt": PROMPTS[1], "stop": [stop]}, timeout=60)
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    deadline = time.monotonic() + 10
+    while (after := sums(url))["decode_sum"] == before["decode_sum"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after["decode_count"] - before["decode_count"] == 1
+    assert after["decode_sum"] > before["decode_sum"]      # its decode phase, not a 0
+    httpx.post(url + "/v1/completions", json={**body, "max_tokens": 2, "prompt": PROMPTS[2:4]}, timeout=60)
+    assert sums(url)["ttft_count"] - after["ttft_count"] == 2

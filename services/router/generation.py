@@ -84,6 +84,7 @@ class Generation:
         self.closed = False
         self.num_cached_tokens = 0
         self.finals: dict[int, protocol.RequestUpdate] = {}   # per prompt: the engine's final update
+        self.ttft_seen: set[int] = set()     # prompts whose first token was timed
         self._seen = None                    # the metrics children of the engine serving it
         self.prompt_logprobs: list[list | None] = [None] * len(prompts)   # per prompt, when asked for
         self.timer: asyncio.TimerHandle | None = None
@@ -110,7 +111,10 @@ class Generation:
         wire = self.params.to_dict()
         try:
             for bid, ids in zip(self.backend_ids, self.prompts):
-                client.subscribe(bid, self.queue, buffered=self.buffered)
+                # A buffered request's first token reaches no task of ours: the merge gives
+                # its queue place back then (it is running, no longer queued).
+                client.subscribe(bid, self.queue, buffered=self.buffered,
+                                 on_start=self.ticket.release if self.ticket is not None else None)
                 await client.add(protocol.AddRequest(bid, ids, wire, time.time(), self.true_output_len))
         except SchedulerUnavailable as e:
             self.close(APIError(503, str(e)))
@@ -184,7 +188,7 @@ class Generation:
         now = time.monotonic()
         merged = first_at is not None
         if merged:   # its tokens arrived from first_at to last_at
-            self._observe_span(first_at, last_at, max((len(d.token_ids) for d in update.outputs), default=0))
+            self._observe_span(p, first_at, last_at, max((len(d.token_ids) for d in update.outputs), default=0))
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if update.prompt_logprobs is not None:
             self.prompt_logprobs[p] = update.prompt_logprobs
@@ -200,11 +204,13 @@ class Generation:
         if new_tokens and self.ticket is not None:
             self.ticket.release()            # started: no longer queued
         if new_tokens and not merged:
-            if self.first_token_at is None:
-                self.first_token_at = now
+            if p not in self.ttft_seen:      # each prompt is an engine request of its own
+                self.ttft_seen.add(p)
                 self.seen.ttft.observe(now - self.arrival)
             elif self.last_token_at is not None:
                 self.seen.itl.observe((now - self.last_token_at) / new_tokens)
+            if self.first_token_at is None:
+                self.first_token_at = now
             self.last_token_at = now
         if update.finished:
             self.finals[p] = update
@@ -213,14 +219,16 @@ class Generation:
         elif all(c.finished for c in choices):
             # Every choice ended on a stop string: the scheduler need not run this prompt further.
             self.done.add(p)
-            self.client.abort_soon(self.backend_ids[p])
+            self.client.abort_soon(self.backend_ids[p], on_final=self._late_final(p))
         return events
 
-    def _observe_span(self, first_at: float, last_at: float, num_tokens: int) -> None:
+    def _observe_span(self, p: int, first_at: float, last_at: float, num_tokens: int) -> None:
         """TTFT and inter-token latency of tokens that arrived merged, as if applied one by one."""
+        if p not in self.ttft_seen:
+            self.ttft_seen.add(p)
+            self.seen.ttft.observe(first_at - self.arrival)
         if self.first_token_at is None:
             self.first_token_at = first_at
-            self.seen.ttft.observe(first_at - self.arrival)
         if num_tokens > 1:
             itl = (last_at - first_at) / (num_tokens - 1)
             for _ in range(num_tokens - 1):
@@ -235,18 +243,28 @@ class Generation:
         return self._seen
 
     def _record_finished(self) -> None:
-        """vLLM's per-request series, once per engine request (prompt), as the engine reported it."""
+        """vLLM's per-request series, once per engine request (prompt). The engine's phases come
+        with its final update; a prompt this router aborted (a stop string) gets them when the
+        scheduler's final update arrives after the abort (_late_final)."""
         now = time.monotonic()
         engine = self.client.engine if self.client is not None else ""
         for p, (ids, choices) in enumerate(zip(self.prompts, self.choices)):
             final = self.finals.get(p)
-            phases = {} if final is None else {
-                "queued_s": final.queued_s, "prefill_s": final.prefill_s, "decode_s": final.decode_s,
-                "inference_s": final.inference_s, "num_preemptions": final.num_preemptions}
             self.ctx.metrics.finished(FinishedRequest(
                 engine, [c.finish_reason or "abort" for c in choices], len(ids),
-                final.num_cached_tokens if final is not None else 0, [len(c.token_ids) for c in choices],
-                self.params.n, self.params.max_tokens, now - self.arrival, **phases))
+                final.num_cached_tokens if final is not None else self.num_cached_tokens,
+                [len(c.token_ids) for c in choices], self.params.n, self.params.max_tokens,
+                now - self.arrival, final))
+
+    def _late_final(self, p: int):
+        def arrived(update: protocol.RequestUpdate) -> None:
+            if p in self.finals:
+                return
+            self.finals[p] = update          # before close: _record_finished takes it
+            if self.closed and self.error is None:
+                most = max((len(c.token_ids) for c in self.choices[p]), default=0)
+                self.ctx.metrics.phases(self.client.engine, update, most)
+        return arrived
 
     def _fail(self, error: APIError) -> APIError:
         self.abort()
@@ -262,7 +280,7 @@ class Generation:
             if p not in self.done:
                 self.done.add(p)
                 self.aborted = True
-                self.client.abort_soon(bid)
+                self.client.abort_soon(bid, on_final=self._late_final(p))
 
     def disconnected(self) -> None:
         if len(self.done) < len(self.prompts):

@@ -55,11 +55,7 @@ class FinishedRequest:
     n: int
     max_tokens: int | None
     e2e_s: float
-    queued_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    inference_s: float = 0.0
-    num_preemptions: int = 0
+    final: object | None = None       # the engine's final RequestUpdate (its phases); None: not yet
 
 
 class _Seen:
@@ -156,10 +152,6 @@ class RouterMetrics:
         s = self.seen(r.engine)
         c = s.child
         c["e2e"].observe(r.e2e_s)
-        for name, value in (("queue", r.queued_s), ("inference", r.inference_s), ("prefill", r.prefill_s),
-                            ("decode", r.decode_s)):
-            c[name].observe(value)
-        c["preemptions"].observe(r.num_preemptions)
         computed = max(0, r.num_prompt_tokens - r.num_cached_tokens)
         c["kv_computed"].observe(computed)
         c["prompt_hist"].observe(r.num_prompt_tokens)
@@ -170,8 +162,8 @@ class RouterMetrics:
         c["params_n"].observe(r.n)
         if r.max_tokens is not None:
             c["params_max_tokens"].observe(r.max_tokens)
-        # vLLM's mean time per output token: the decode phase over the tokens after the first.
-        c["tpot"].observe(r.decode_s / (most - 1) if most > 1 else 0.0)
+        if r.final is not None:
+            self.phases(r.engine, r.final, most)
         c["prompt"].inc(r.num_prompt_tokens)
         c["generation"].inc(generated)
         c["cached"].inc(r.num_cached_tokens)
@@ -180,6 +172,16 @@ class RouterMetrics:
         s.cached_by_source["device"].inc(r.num_cached_tokens)
         for reason in r.finish_reasons:
             s.success[reason if reason in s.success else "abort"].inc()
+
+    def phases(self, engine: str, final, most_tokens: int) -> None:
+        """The engine's phases of one request (its final RequestUpdate), and vLLM's mean time per
+        output token: the decode phase over the tokens after the first (of its longest choice)."""
+        c = self.seen(engine).child
+        for name, value in (("queue", final.queued_s), ("inference", final.inference_s),
+                            ("prefill", final.prefill_s), ("decode", final.decode_s)):
+            c[name].observe(value)
+        c["preemptions"].observe(final.num_preemptions)
+        c["tpot"].observe(final.decode_s / (most_tokens - 1) if most_tokens > 1 else 0.0)
 
     def admission_rejected(self, reason: str) -> None:
         self._rejections[reason].inc()

@@ -46,7 +46,8 @@ class Buffered:
 class _Merge:
     """Collects one request's deltas, per choice, until its final update."""
 
-    def __init__(self):
+    def __init__(self, on_start=None):
+        self.on_start = on_start          # called at the first token (the request left the queue)
         self.outputs: dict[int, protocol.CompletionDelta] = {}
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -63,6 +64,8 @@ class _Merge:
         self.last_token_at = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = self.last_token_at
+            if self.on_start is not None:
+                self.on_start()
 
     def add_token(self, t: protocol.TokenDelta) -> None:
         d = self.delta(0)
@@ -111,6 +114,9 @@ class SchedulerClient:
         self.dead_after_s = dead_after_s
         self.subscribers: dict[str, asyncio.Queue] = {}
         self.merging: dict[str, _Merge] = {}  # buffered subscribers: their updates so far
+        # Requests aborted by their own router (a stop string, a client gone): the final update
+        # the scheduler still sends goes to this callback (the request's phases, for metrics).
+        self.on_final: dict[str, object] = {}
         self.last_heard = time.monotonic()    # a grace period from start: the scheduler may be starting
         self.last_pong: protocol.Pong | None = None
         self.dead = False
@@ -161,14 +167,15 @@ class SchedulerClient:
         return self.alive and self.last_pong is not None and self.last_pong.ready
 
     # ---- requests ------------------------------------------------------------------------------
-    def subscribe(self, request_id: str, queue: asyncio.Queue, buffered: bool = False) -> None:
+    def subscribe(self, request_id: str, queue: asyncio.Queue, buffered: bool = False, on_start=None) -> None:
         """Updates for request_id go to queue: each as it comes, or (buffered) merged into one
-        Buffered at the end; errors and failures always at once."""
+        Buffered at the end, with on_start() called at its first token; errors and failures always
+        at once."""
         if request_id in self.subscribers:
             raise ValueError(f"request {request_id!r} already has a subscriber")
         self.subscribers[request_id] = queue
         if buffered:
-            self.merging[request_id] = _Merge()
+            self.merging[request_id] = _Merge(on_start)
 
     def unsubscribe(self, request_id: str) -> None:
         self.subscribers.pop(request_id, None)
@@ -182,9 +189,12 @@ class SchedulerClient:
         that its client hears the abort and gets its answer (unsubscribing here hung it)."""
         await self._send(protocol.AbortRequest(request_id))
 
-    def abort_soon(self, request_id: str) -> None:
-        """Send AbortRequest without awaiting: safe from a cancelled task or a finally block."""
+    def abort_soon(self, request_id: str, on_final=None) -> None:
+        """Send AbortRequest without awaiting: safe from a cancelled task or a finally block.
+        on_final(update) gets the request's final update when it comes."""
         self.unsubscribe(request_id)
+        if on_final is not None:
+            self.on_final[request_id] = on_final
         try:
             # zmq.asyncio sends at once when the socket can take it (a DEALER queues up to its HWM).
             self.sock.send_multipart(protocol.encode(protocol.AbortRequest(request_id)))
@@ -259,6 +269,8 @@ class SchedulerClient:
         if isinstance(msg, (protocol.RequestUpdate, protocol.Error)) and msg.request_id is not None:
             queue = self.subscribers.get(msg.request_id)
             if queue is None:
+                if isinstance(msg, protocol.RequestUpdate) and msg.finished and msg.request_id in self.on_final:
+                    self.on_final.pop(msg.request_id)(msg)
                 return
             merge = self.merging.get(msg.request_id)
             if merge is not None and isinstance(msg, protocol.RequestUpdate):
@@ -313,5 +325,6 @@ class SchedulerClient:
 
     def fail_all(self, status: int, message: str) -> None:
         subscribers, self.subscribers, self.merging = self.subscribers, {}, {}
+        self.on_final.clear()     # the scheduler that held them is gone: no final will come
         for queue in subscribers.values():
             queue.put_nowait(Failure(status, message))
