@@ -48,6 +48,7 @@ class AllocResult:
     ok: bool
     num_cached_tokens: int = 0
     reason: str = ""
+    num_host_cached_tokens: int = 0   # of num_cached_tokens, those the host tier gave back
 
 
 @dataclass
@@ -180,7 +181,8 @@ class BlockStore:
                 self._counters["host_queries_tokens"] += len(tokens) - len(on_device) * self.block_size
                 self._counters["host_hit_tokens"] += promoted * self.block_size
         self._note_peak()
-        return AllocResult(True, len(hits) * self.block_size)
+        return AllocResult(True, len(hits) * self.block_size,
+                           num_host_cached_tokens=sum(host for _, host in hits) * self.block_size)
 
     def _lookup(self, hashes: list[bytes]) -> list[tuple[int, bool]]:
         """(block, on the host) for the longest run of leading hashes cached in either tier, the

@@ -112,6 +112,7 @@ class RequestUpdate:
     decode_s: float = 0.0
     inference_s: float = 0.0
     num_preemptions: int = 0
+    num_host_cached_tokens: int = 0      # of num_cached_tokens, those the host tier gave back
 
 
 @dataclass(slots=True)

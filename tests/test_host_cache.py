@@ -91,7 +91,7 @@ def test_demote_then_promote_keeps_every_ranks_bytes(pools):
     s = store.stats()
     assert s["host_cache_demotions"] == 3 and s["host_blocks_cached"] == 3 and s["device_blocks_cached"] == 0
     r = store.allocate(3, prompt)
-    assert r.ok and r.num_cached_tokens == 12
+    assert r.ok and r.num_cached_tokens == 12 and r.num_host_cached_tokens == 12   # all from the host
     got = p.read(store.block_table(3)[:3])
     for rank in range(TP):
         assert torch.equal(got[rank], data[rank][:3]), f"rank {rank}"

@@ -81,6 +81,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0                               # prefix-cache hit at first admission
+    num_host_cached_tokens: int = 0                          # of those, from the host tier
     cache_salt: tuple = ()
     # params.prompt_logprobs: entry i scores prompt token i + 1 ([logprob, rank, [[id, logprob], ...]]).
     prompt_logprobs: list = field(default_factory=list)

@@ -414,8 +414,9 @@ class Scheduler:
                     d.num_computed = 0
                 return False
             seq.num_computed = result.num_cached_tokens
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = max(req.num_cached_tokens, result.num_cached_tokens)
+            if req.num_preemptions == 0 and result.num_cached_tokens > req.num_cached_tokens:
+                req.num_cached_tokens = result.num_cached_tokens
+                req.num_host_cached_tokens = result.num_host_cached_tokens
             done.append(seq)
         return True
 

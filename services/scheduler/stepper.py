@@ -181,7 +181,7 @@ class RouterView:
 
     def _phases(self, update: protocol.RequestUpdate, req: Request) -> None:
         """vLLM's per-request phase times; a phase the request never reached counts 0."""
-        update.num_preemptions = req.num_preemptions
+        update.num_preemptions, update.num_host_cached_tokens = req.num_preemptions, req.num_host_cached_tokens
         scheduled, first, last = req.scheduled_time, req.first_token_time, req.last_token_time
         if scheduled is None:
             return
