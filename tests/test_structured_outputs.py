@@ -120,6 +120,29 @@ def test_tool_calls_required_and_named(stack, tiny_llama):
             json.loads(call.function.arguments)
     with pytest.raises(openai.BadRequestError, match="auto"):
         c.chat.completions.create(model=tiny_llama, messages=msgs, tools=tools, tool_choice="auto")
+    # Streamed, the same seeds: OpenAI's tool_call deltas add up to the same calls.
+    for choice, seed, n in (({"type": "function", "function": {"name": "get_weather"}}, 3, 1), ("required", 4, 2)):
+        done = c.chat.completions.create(model=tiny_llama, messages=msgs, tools=tools, tool_choice=choice,
+                                         max_tokens=120 if n == 2 else 80, seed=seed, n=n)
+        streamed: dict = {}
+        finish: dict = {}
+        for chunk in c.chat.completions.create(model=tiny_llama, messages=msgs, tools=tools, tool_choice=choice,
+                                               max_tokens=120 if n == 2 else 80, seed=seed, n=n, stream=True):
+            for ch in chunk.choices:
+                for d in ch.delta.tool_calls or []:
+                    call = streamed.setdefault(ch.index, {}).setdefault(d.index, {"name": None, "args": ""})
+                    if d.id is not None:
+                        assert call["name"] is None and d.type == "function"   # the header comes once
+                        call["name"] = d.function.name
+                    call["args"] += d.function.arguments or ""
+                if ch.finish_reason:
+                    finish[ch.index] = ch.finish_reason
+        for ch in done.choices:
+            assert finish[ch.index] == ch.finish_reason
+            if ch.finish_reason != "tool_calls":
+                continue
+            got = [(v["name"], json.loads(v["args"])) for _, v in sorted(streamed[ch.index].items())]
+            assert got == [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls]
 
 
 @pytest.mark.parametrize("body, param, says", [

@@ -11,7 +11,7 @@ from services.guided import spec as specs
 from services.router.constraints import constraint_of
 from services.router.constraints import check as check_constraint
 from services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, parse_body, sampling_params
-from services.router.tools import ToolPlan, tool_plan
+from services.router.tools import ToolCallStream, ToolPlan, tool_plan
 from services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from services.sampling_params import MAX_LOGPROBS
 
@@ -145,6 +145,7 @@ class ChatFormatter:
         self.echo = echo                 # text every choice starts with (chat echo)
         self.with_prompt_logprobs = with_prompt_logprobs
         self.tools = tools               # the output is a tool call (tool_choice required / named)
+        self.tool_streams: dict[int, ToolCallStream] = {}   # per streamed choice
         self.created = int(time.time())
 
     def _base(self, obj: str = "chat.completion.chunk") -> dict:
@@ -170,12 +171,33 @@ class ChatFormatter:
                 for c in self.gen.all_choices]
 
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]:
+        if self.tools is not None:
+            return self._tool_chunks(events)
         out = []
         for ev in events:
             out.append({**self._base(), "choices": [{
                 # content even when empty (a token that ends the choice unseen), as vLLM sends it
                 "index": ev.index, "delta": {"content": ev.text},
                 "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason,
+                "stop_reason": ev.stop_reason,
+                **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
+        return out
+
+    def _tool_chunks(self, events: list[ChoiceEvent]) -> list[dict]:
+        """A tool call streamed: tool_call deltas instead of content; a token that completes no
+        part of a call sends nothing until the end (as vLLM's tool streaming does)."""
+        out = []
+        for ev in events:
+            stream = self.tool_streams.get(ev.index)
+            if stream is None:
+                stream = self.tool_streams[ev.index] = ToolCallStream(self.tools)
+            deltas = stream.feed(ev.text)
+            if not deltas and ev.finish_reason is None:
+                continue
+            finish = "tool_calls" if ev.finish_reason == "stop" and stream.sent else ev.finish_reason
+            out.append({**self._base(), "choices": [{
+                "index": ev.index, "delta": {"tool_calls": deltas} if deltas else {},
+                "logprobs": self._logprobs(ev.logprobs), "finish_reason": finish,
                 "stop_reason": ev.stop_reason,
                 **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
         return out

@@ -5,7 +5,9 @@ model-specific parser), and the choice comes back in OpenAI's `tool_calls` shape
     named      {"type": "function", "function": {"name": N}}: the output is N's arguments object
     required   the output is [{"name": one of the tools, "parameters": its arguments}, ...] (one or more)
 tool_choice "auto" (the default when tools are given) would need a parser for the model's own
-tool-call syntax: a 400, as is "none"'s opposite without tools. Streaming a tool call is a 400 too.
+tool-call syntax: a 400, as is "none"'s opposite without tools. A stream sends OpenAI's tool_call
+deltas (ToolCallStream): each call's id and name once its name is complete, then its arguments as
+they grow.
 """
 from __future__ import annotations
 
@@ -56,8 +58,6 @@ def tool_plan(req) -> ToolPlan | None:
     if choice in (None, "auto"):
         raise bad_request('tool_choice "auto" is not supported (it needs a tool parser for the model); use '
                           '"required", a named function, or "none"', "tool_choice")
-    if req.stream:
-        raise bad_request("tool calls cannot be streamed yet", "stream")
     if choice == "required":
         return ToolPlan(None, {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
@@ -84,3 +84,92 @@ def _functions(tools: list) -> dict[str, dict]:
             raise bad_request("a function's parameters must be a JSON schema object", f"tools[{i}].function.parameters")
         out[fn["name"]] = params or ANY_ARGUMENTS
     return out
+
+
+class ToolCallStream:
+    """One streamed choice's text -> OpenAI's tool_call deltas, as the text grows.
+
+    The grammar fixes the text's shape, compact JSON: a named function's output is its arguments
+    object; "required" gives [{"name":"N","parameters":ARGS},...]. Each feed re-reads the text so
+    far (short: a tool call's arguments) and sends what is new: a call's header
+    {index, id, type, function: {name, arguments: ""}} once its name is complete, then pieces of
+    its arguments."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.text = ""
+        self.sent: list[int] = []      # per call started: argument characters sent
+
+    def feed(self, new_text: str) -> list[dict]:
+        self.text += new_text
+        calls = [(self.plan.named, self.text)] if self.plan.named is not None else _required_calls(self.text)
+        deltas = []
+        for i, (name, args) in enumerate(calls):
+            if i == len(self.sent):
+                self.sent.append(0)
+                deltas.append({"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            if len(args) > self.sent[i]:
+                deltas.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
+                self.sent[i] = len(args)
+        return deltas
+
+
+_CALL_HEAD, _CALL_ARGS = '{"name":"', ',"parameters":'
+
+
+def _required_calls(text: str) -> list[tuple[str, str]]:
+    """(name, arguments so far) of each call whose name is complete in a partial
+    [{"name":"N","parameters":ARGS},...]."""
+    calls, i, n = [], 1, len(text)
+    if not text.startswith("["):
+        return calls
+    while i < n:
+        if text[i] == ",":
+            i += 1
+            continue
+        if not text.startswith(_CALL_HEAD, i):
+            break
+        start = i + len(_CALL_HEAD)
+        close = text.find('"', start)
+        if close < 0:
+            break
+        name, a = text[start:close], close + 1
+        if not text.startswith(_CALL_ARGS, a):
+            break
+        a += len(_CALL_ARGS)
+        end = _value_end(text, a)
+        calls.append((name, text[a:end if end is not None else n]))
+        if end is None or end >= n or text[end] != "}":
+            break
+        i = end + 1
+    return calls
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Index just past the JSON value starting at `start`, or None if the text ends inside it."""
+    depth, in_string, escaped = 0, False, False
+    for j in range(start, len(text)):
+        ch = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            if depth == 0:
+                return j            # a scalar ended by its container
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        elif ch == "," and depth == 0:
+            return j
+    return None
