@@ -524,3 +524,19 @@ def test_ready_answers_within_its_timeout_when_no_scheduler_is_connected(info, t
             status = c.get(path).status_code
             assert time.monotonic() - t0 < cfg.ready_timeout_s + 1.0, path
         assert status == 200 and c.get("/ready").status_code == 503
+
+
+def test_return_tokens_as_token_ids_names_tokens_as_vllm(client):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N" (and chat's bytes
+    are those of that name); without it, the token's text."""
+    body = {"prompt": "x", "max_tokens": 3, "logprobs": 2}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    named = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    lp = named["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"]) and len(lp["tokens"]) == 3
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    assert not any(t.startswith("token_id:") for t in plain["tokens"])
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                     "logprobs": True, "return_tokens_as_token_ids": True}).json()
+    entry = chat["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"].startswith("token_id:") and bytes(entry["bytes"]).decode() == entry["token"]

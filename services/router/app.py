@@ -134,6 +134,13 @@ class RouterContext:
         """Tokens per streamed chunk: --stream-interval, raised (never lowered) by the request's own, as vLLM."""
         return max(asked or 1, self.config.stream_interval)
 
+    def token_namer(self, asked: bool | None):
+        """How logprobs name a token: its text, or vLLM's "token_id:N" (--return-tokens-as-token-ids,
+        or the request's own return_tokens_as_token_ids), for tokens whose text is not valid alone."""
+        if asked if asked is not None else self.config.return_tokens_as_token_ids:
+            return lambda token_id: f"token_id:{token_id}"
+        return self.token_texts.text
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")

@@ -51,7 +51,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
-                        req.prompt_logprobs is not None, req.return_token_ids, plan)
+                        req.prompt_logprobs is not None, req.return_token_ids, plan,
+                        ctx.token_namer(req.return_tokens_as_token_ids))
     return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
 
 
@@ -138,9 +139,10 @@ def _developer_as_system(messages: list[dict]) -> list[dict]:
 class ChatFormatter:
     def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, top_logprobs: int | None,
                  echo: str = "", with_prompt_logprobs: bool = False, token_ids: bool = False,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, name=None):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
         self.token_ids = token_ids       # return_token_ids
+        self.name = name                 # a token as logprobs show it (None: its text)
         self.top = top_logprobs          # None: no logprobs asked
         self.echo = echo                 # text every choice starts with (chat echo)
         self.with_prompt_logprobs = with_prompt_logprobs
@@ -154,6 +156,9 @@ class ChatFormatter:
 
     def _entry(self, token_id: int, logprob) -> dict:
         texts = self.ctx.token_texts
+        if self.name is not None and self.name is not texts.text:   # vLLM: the bytes of what it shows
+            token = self.name(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
         return {"token": texts.text(token_id), "logprob": logprob, "bytes": texts.bytes(token_id)}
 
     def _logprobs(self, entries) -> dict | None:

@@ -48,7 +48,7 @@ async def create_completion(ctx: "RouterContext", request):
     echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \
         if req.echo else None
     fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo,
-                              params.prompt_logprobs, req.return_token_ids)
+                              params.prompt_logprobs, req.return_token_ids, ctx.token_namer(req.return_tokens_as_token_ids))
     return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
 
 
@@ -81,8 +81,10 @@ def tokenize_prompts(ctx: "RouterContext", items: list, add_special_tokens: bool
 
 class CompletionFormatter:
     def __init__(self, ctx, gen: Generation, request_id: str, model: str, n: int, logprobs: int | None,
-                 echo: list[str] | None, prompt_logprobs: int | None = None, token_ids: bool = False):
+                 echo: list[str] | None, prompt_logprobs: int | None = None, token_ids: bool = False,
+                 name=None):
         self.ctx, self.gen, self.id, self.model, self.n = ctx, gen, request_id, model, n
+        self.name = name or ctx.token_texts.text   # a token as logprobs show it
         self.logprobs = logprobs
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs     # vLLM's field
@@ -102,7 +104,7 @@ class CompletionFormatter:
     def _logprobs(self, entries, choice_offset: int = 0) -> dict | None:
         if self.logprobs is None:
             return None
-        text = self.ctx.token_texts.text
+        text = self.name
         tops = []
         for e in entries:
             top = {text(e.token_id): e.logprob}
@@ -119,14 +121,14 @@ class CompletionFormatter:
         if self.logprobs is None or entries is None:
             return None
         text, ids = self.ctx.token_texts.text, self.gen.prompts[p]
-        tokens = [text(t) for t in ids]
+        tokens, name = [self.name(t) for t in ids], self.name
         offsets, at = [], 0
-        for t in tokens:
+        for t in ids:                # offsets count text, however the tokens are named
             offsets.append(at)
-            at += len(t)
+            at += len(text(t))
         tops: list = [None]
         for tid, (lp, _, top) in zip(ids[1:], entries):
-            tops.append({text(tid): lp, **{text(i): v for i, v in top[:self.logprobs]}})
+            tops.append({name(tid): lp, **{name(i): v for i, v in top[:self.logprobs]}})
         return {"tokens": tokens, "token_logprobs": [None] + [e[0] for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 

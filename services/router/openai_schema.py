@@ -74,6 +74,7 @@ class _SamplingFields(_Strict):
     structured_outputs: Any = None
     prompt_logprobs: int | None = None
     return_token_ids: bool = False            # vLLM's: prompt_token_ids and token_ids in the response
+    return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name tokens "token_id:N"
 
 
 class CompletionRequest(_SamplingFields):

@@ -53,6 +53,8 @@ class RouterOptions:
     # chunk at once (services/router/pacing.py); a request's own stream_interval may raise it.
     stream_interval: int = opt(1, "tokens per streamed chunk (the first and the final chunk go at once)",
                                check=at_least(1))
+    return_tokens_as_token_ids: bool = opt(False, "name tokens in logprobs as 'token_id:N' (a request's "
+                                                  "return_tokens_as_token_ids overrides it)")
     max_stop_strings: int = opt(4, "stop strings a request may send (OpenAI's limit is 4)", check=at_least(0))
     # CORS with vLLM's flags and defaults: no cross-origin browser access unless origins are named.
     allowed_origins: list[str] = _cors([], "origins browsers may call from")
