@@ -254,7 +254,7 @@ class Generation:
                 engine, [c.finish_reason or "abort" for c in choices], len(ids),
                 final.num_cached_tokens if final is not None else self.num_cached_tokens,
                 [len(c.token_ids) for c in choices], self.params.n, self.params.max_tokens,
-                now - self.arrival, final, final.num_host_cached_tokens if final is not None else 0))
+                now - self.arrival, final))
 
     def _late_final(self, p: int):
         def arrived(update: protocol.RequestUpdate) -> None:

@@ -56,7 +56,6 @@ class FinishedRequest:
     max_tokens: int | None
     e2e_s: float
     final: object | None = None       # the engine's final RequestUpdate (its phases); None: not yet
-    num_host_cached_tokens: int = 0   # of num_cached_tokens, from the host tier
 
 
 class _Seen:
@@ -168,12 +167,12 @@ class RouterMetrics:
         c["prompt"].inc(r.num_prompt_tokens)
         c["generation"].inc(generated)
         c["cached"].inc(r.num_cached_tokens)
-        device = r.num_cached_tokens - r.num_host_cached_tokens
+        host = r.final.num_host_cached_tokens if r.final is not None else 0   # of the cached ones
         s.prompt_by_source["local_compute"].inc(computed)
-        s.prompt_by_source["local_cache_hit"].inc(device)
-        s.prompt_by_source["external_kv_transfer"].inc(r.num_host_cached_tokens)   # vLLM's CPU offloading counts here
-        s.cached_by_source["device"].inc(device)
-        s.cached_by_source["host"].inc(r.num_host_cached_tokens)
+        s.prompt_by_source["local_cache_hit"].inc(r.num_cached_tokens - host)
+        s.prompt_by_source["external_kv_transfer"].inc(host)   # vLLM's CPU offloading counts here
+        s.cached_by_source["device"].inc(r.num_cached_tokens - host)
+        s.cached_by_source["host"].inc(host)
         for reason in r.finish_reasons:
             s.success[reason if reason in s.success else "abort"].inc()
 
