@@ -11,7 +11,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
+COPY pagedserve pagedserve
 COPY services services
 COPY kvstore kvstore
 COPY kernels kernels
@@ -19,7 +20,11 @@ COPY loadgen loadgen
 # A CPU-only image: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG TORCH_SPEC=torch==2.13.0
-RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH_SPEC" && pip install --no-cache-dir -e .
+# torch from its index, everything else at the lock's tested versions (the lock's torch is the CPU
+# build), then our package alone (one import name: pagedserve).
+RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH_SPEC" \
+    && grep -v '^torch==' requirements.lock > /tmp/lock.txt && pip install --no-cache-dir -r /tmp/lock.txt \
+    && pip install --no-cache-dir --no-deps --no-build-isolation -e .
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # The tiny demo model is built into the image so the stack starts with no model mounted.
 RUN pagedserve tiny-model /models/tiny --arch llama

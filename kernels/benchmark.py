@@ -1,4 +1,4 @@
-"""Paged vs contiguous attention (the paper's Fig. 18a): `python -m kernels.benchmark [--json OUT]`.
+"""Paged vs contiguous attention (the paper's Fig. 18a): `python -m pagedserve.kernels.benchmark [--json OUT]`.
 
 Owns nothing but this measurement. For each batch size and context length it times one decode
 step of attention two ways on the same data: the paged kernel reading K/V through shuffled block
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
+from pagedserve.kernels import ops
 
 BATCH_SIZES = {"cuda": (8, 32), "cpu": (8, 32, 64)}
 CONTEXT_LENS = {"cuda": (64, 128, 256, 1024), "cpu": (64, 256, 1024, 2048)}
@@ -99,7 +99,7 @@ def _cell(kind: str, batch: int, context: int, block_size: int, shape: Shape, dt
     scale = shape.head_dim ** -0.5
     if kind == "decode":
         def paged(impl=None):
-            return kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, impl=impl)
+            return ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, impl=impl)
 
         def contiguous():
             return F.scaled_dot_product_attention(
@@ -117,7 +117,7 @@ def _cell(kind: str, batch: int, context: int, block_size: int, shape: Shape, dt
                 <= torch.arange(context - num_q, context, device=device)[:, None])
 
         def paged(impl=None):
-            return kernels.paged_attention(q_ragged, k_cache, v_cache, table, seq_lens, qsl, scale,
+            return ops.paged_attention(q_ragged, k_cache, v_cache, table, seq_lens, qsl, scale,
                                            num_q, impl=impl)
 
         def contiguous():
@@ -126,7 +126,7 @@ def _cell(kind: str, batch: int, context: int, block_size: int, shape: Shape, dt
                                                  is_causal=kind == "prefill")  # [S, Hq, Q, D]
             return out.transpose(1, 2).reshape(batch * num_q, shape.num_q_heads, shape.head_dim)
     calls = {"paged": paged, "contiguous": contiguous}
-    if device == "cpu" and kernels.resolve_impl(q, None) != "reference":
+    if device == "cpu" and ops.resolve_impl(q, None) != "reference":
         calls["reference"] = lambda: paged("reference")
     return calls
 
@@ -134,7 +134,7 @@ def _cell(kind: str, batch: int, context: int, block_size: int, shape: Shape, dt
 def run(block_size: int, dtype: torch.dtype, repeats: int, device: str,
         cases: list[tuple[str, int, int]] | None = None) -> list[dict]:
     shape = CUDA_SHAPE if device == "cuda" else CPU_SHAPE
-    impl = kernels.resolve_impl(torch.empty(0, device=device), None)
+    impl = ops.resolve_impl(torch.empty(0, device=device), None)
     timed = _timer(device)
     # A GPU decode step takes microseconds: time several launches per sample to beat timer noise.
     inner = 20 if device == "cuda" else 1

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from pagedserve.kernels import reference
 
 log = logging.getLogger("pagedserve.kernels")
 

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device import on_device
-from kernels.limits import check_attention_shape
+from pagedserve.kernels.device import on_device
+from pagedserve.kernels.limits import check_attention_shape
 
 
 def _next_pow2(n: int) -> int:

@@ -12,11 +12,11 @@ import pickle
 
 import zmq
 
-from kernels.device import on_device
-from kvstore.pool import BlockPool
-from services import protocol
-from services.curve import SocketGuard
-from services.rpc import PeerTimeout, RpcClient
+from pagedserve.kernels.device import on_device
+from pagedserve.kvstore.pool import BlockPool
+from pagedserve.services import protocol
+from pagedserve.services.curve import SocketGuard
+from pagedserve.services.rpc import PeerTimeout, RpcClient
 
 __all__ = ["KVStoreClient", "KVStoreError", "PeerTimeout", "attach_pools"]
 

@@ -45,7 +45,7 @@ import contextlib
 
 import torch
 
-from kernels.device import on_device
+from pagedserve.kernels.device import on_device
 
 
 def _handle(event) -> str:

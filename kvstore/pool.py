@@ -21,8 +21,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from kernels import copy_blocks
-from kernels.device import on_device
+from pagedserve.kernels.ops import copy_blocks
+from pagedserve.kernels.device import on_device
 
 
 # Names this process (or a parent it was forked from, which shares its resource tracker) created.

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.block_table import DEVICE, HOST
-from kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult, wire_keys
-from services.protocol import ProtocolError
+from pagedserve.kvstore.block_table import DEVICE, HOST
+from pagedserve.kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult, wire_keys
+from pagedserve.services.protocol import ProtocolError
 
 OPS = ("allocate", "append_slots", "append_tokens", "mark_computed", "fork", "free", "swap_out", "swap_in")
 

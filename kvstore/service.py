@@ -31,18 +31,18 @@ from typing import Callable
 
 import zmq
 
-from kernels.device import on_device
-from kvstore.cuda_sync import CopySync, NoSync
-from kvstore.pool import BlockPool, unique_pool_name, warm_up
-from kvstore.replay import ReplicaDiverged, apply_ops
-from kvstore.allocator import make_policy
-from kvstore.sizing import PoolSizing
-from kvstore.store import BlockStore
-from services import config_fields as cf, protocol
-from services.config_fields import at_least
-from services.flags import add_flags, check_config, from_args, opt
-from services.curve import SocketGuard
-from services.process import answer_requests, on_stop_signals, service_main
+from pagedserve.kernels.device import on_device
+from pagedserve.kvstore.cuda_sync import CopySync, NoSync
+from pagedserve.kvstore.pool import BlockPool, unique_pool_name, warm_up
+from pagedserve.kvstore.replay import ReplicaDiverged, apply_ops
+from pagedserve.kvstore.allocator import make_policy
+from pagedserve.kvstore.sizing import PoolSizing
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services import config_fields as cf, protocol
+from pagedserve.services.config_fields import at_least
+from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.curve import SocketGuard
+from pagedserve.services.process import answer_requests, on_stop_signals, service_main
 
 log = logging.getLogger("pagedserve.kvstore")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from services import protocol
+from pagedserve.services import protocol
 
 WAITING = "memory_report"   # Error.param of the 503 a worker reads as "profile, then report"
 
@@ -33,7 +33,7 @@ def device_blocks_for(total_bytes: int, free_bytes: int, reserve_bytes: int, uti
 def read_device_memory(device: str) -> tuple[int, int]:
     """(free, total) bytes of one CUDA device, as the driver sees it (every process's use counted)."""
     import torch
-    from kernels.device import on_device
+    from pagedserve.kernels.device import on_device
     with on_device(device):
         return torch.cuda.mem_get_info(torch.device(device))
 

@@ -37,10 +37,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from kvstore.allocator import AllocationPolicy, BlockAllocator, PagedPolicy, blocks_for_tokens
-from kvstore.block_table import DEVICE, HOST, SequenceTable
-from kvstore.pool import BlockPool, copy_between, copy_within
-from kvstore.prefix_index import PrefixIndex, extend_hashes
+from pagedserve.kvstore.allocator import AllocationPolicy, BlockAllocator, PagedPolicy, blocks_for_tokens
+from pagedserve.kvstore.block_table import DEVICE, HOST, SequenceTable
+from pagedserve.kvstore.pool import BlockPool, copy_between, copy_within
+from pagedserve.kvstore.prefix_index import PrefixIndex, extend_hashes
 
 
 @dataclass

@@ -3,7 +3,7 @@ allocation policy (paged, orca-oracle, orca-max) and a KV pool small enough that
 `loadgen compare` puts the sweeps on the same axes. The ShareGPT-like lengths are scaled to the tiny
 model's context by replay's fit; requests carry true_output_len for the Orca policies.
 
-    python -m loadgen.bench_allocation [--rates 1,2,4,8] [--num-requests 48] [--blocks 160]
+    python -m pagedserve.loadgen.bench_allocation [--rates 1,2,4,8] [--num-requests 48] [--blocks 160]
         [--allocations paged,orca-oracle,orca-max] [--out docs/paper/cpu]   (~15 min on 2 busy cores)
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadgen.stack import Stack
+from pagedserve.loadgen.stack import Stack
 
 
 def main() -> int:
@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--max-normalized-latency", default="0.05")
     p.add_argument("--out", default="docs/paper/cpu")
     args = p.parse_args()
-    loadgen = [sys.executable, "-m", "loadgen.cli"]
+    loadgen = [sys.executable, "-m", "pagedserve.loadgen.cli"]
     allocations = args.allocations.split(",")
     for alloc in allocations:
         stack = Stack(args.model, "--num-device-blocks", args.blocks, "--allocation", alloc, "--max-num-seqs", "64")

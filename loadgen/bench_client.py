@@ -3,7 +3,7 @@ instantly (loadgen.fake_server with no delays), and its CPU time per streamed to
 same for `vllm bench serve` when its command is given. The client shares the cores with the server
 it measures, so less CPU per token is less of the client in every figure.
 
-    python -m loadgen.bench_client [--requests 64] [--output-len 256] [--rounds 3]
+    python -m pagedserve.loadgen.bench_client [--requests 64] [--output-len 256] [--rounds 3]
                                    [--vllm-bench ~/.cache/peer-vllm/venv/bin/vllm --tokenizer DIR]
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadgen.stack import free_port
+from pagedserve.loadgen.stack import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def run_client(argv: list[str], out_json: Path) -> tuple[float, dict]:
 
 def ours(url: str, args, work: Path, output_len: int) -> tuple[float, float, int]:
     out = work / "ours"
-    cpu, s = run_client([sys.executable, "-m", "loadgen.cli", "replay", "--url", url, "--trace", "random",
+    cpu, s = run_client([sys.executable, "-m", "pagedserve.loadgen.cli", "replay", "--url", url, "--trace", "random",
                          "--input-len", "8", "--output-len", str(output_len), "--num-requests",
                          str(args.requests), "--no-progress", "--no-plots", "--metrics-interval", "0",
                          "--out", str(out)], out / "summary.json")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder vllm bench serve needs")
     args = p.parse_args(argv)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "loadgen.fake_server", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "pagedserve.loadgen.fake_server", "--port", str(port)],
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
     server.stdout.readline()
     url = f"http://127.0.0.1:{port}"

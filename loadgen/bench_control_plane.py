@@ -13,7 +13,7 @@ answers each scheduled sample with a token at once. Per decode step it times:
 and, to say where the time goes, the scheduler core alone (schedule + update) and the replay alone
 (apply_ops in this process on a pool-less replica, the kvstore's share of the exchange).
 
-    python -m loadgen.bench_control_plane [--seqs 1 64 256] [--steps 200] [--prompt-len 32] [--profile]
+    python -m pagedserve.loadgen.bench_control_plane [--seqs 1 64 256] [--steps 200] [--prompt-len 32] [--profile]
 """
 from __future__ import annotations
 
@@ -49,14 +49,14 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def start_kvstore(endpoint: str, num_blocks: int) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "kvstore.service", "--endpoint", endpoint, "--num-device-blocks",
+    argv = [sys.executable, "-m", "pagedserve.kvstore.service", "--endpoint", endpoint, "--num-device-blocks",
             str(num_blocks), "--num-host-blocks", "0", "--block-size", str(BLOCK_SIZE),
             "--block-bytes", "16", "--log-level", "WARNING"]
     return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
 def wait_ready(client, proc: subprocess.Popen) -> None:
-    from kvstore.client import PeerTimeout
+    from pagedserve.kvstore.client import PeerTimeout
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
@@ -69,14 +69,14 @@ def wait_ready(client, proc: subprocess.Popen) -> None:
 
 
 def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile) -> Timings:
-    from kvstore.client import KVStoreClient
-    from kvstore.replay import RecordingStore, apply_ops
-    from kvstore.store import BlockStore
-    from services import protocol
-    from services.sampling_params import SamplingParams
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from services.scheduler.stepper import RouterView, WorkerView
-    from services.protocol import SampleResult
+    from pagedserve.kvstore.client import KVStoreClient
+    from pagedserve.kvstore.replay import RecordingStore, apply_ops
+    from pagedserve.kvstore.store import BlockStore
+    from pagedserve.services import protocol
+    from pagedserve.services.sampling_params import SamplingParams
+    from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.services.scheduler.stepper import RouterView, WorkerView
+    from pagedserve.services.protocol import SampleResult
 
     max_len = prompt_len + steps + 64
     num_blocks = num_seqs * (-(-max_len // BLOCK_SIZE)) + 8
@@ -149,11 +149,11 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
 
 def _import_cores() -> None:
     # Imported before timing (and before an optional gc.freeze) so neither pays for torch's import.
-    import kvstore.client, kvstore.replay, services.scheduler.scheduler, services.scheduler.stepper  # noqa: F401
+    import pagedserve.kvstore.client, kvstore.replay, services.scheduler.scheduler, services.scheduler.stepper  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadgen.bench_control_plane", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pagedserve.loadgen.bench_control_plane", description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256], help="running sequences per step")
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per batch size")
     p.add_argument("--prompt-len", type=int, default=32)

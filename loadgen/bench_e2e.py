@@ -5,7 +5,7 @@
 2. Saturation: every request at once, through the API, against the offline engine (same cores in
    one process) on the same requests: the ratio is the price of the process boundaries.
 
-    python -m loadgen.bench_e2e [--requests 64] [--rate 4] [--prompt-len 128] [--max-tokens 128]
+    python -m pagedserve.loadgen.bench_e2e [--requests 64] [--rate 4] [--prompt-len 128] [--max-tokens 128]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from loadgen.metrics import summarize
+from pagedserve.loadgen.metrics import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,9 +35,9 @@ def drive(url: str, model: str, reqs, rate: float | None, seed: int,
           stream: bool = True) -> tuple[list, float]:
     """Send `reqs` through loadgen's client (Poisson at `rate`, or all at once), greedy with
     ignore_eos; the records and the run's duration."""
-    from loadgen.config import ReplayConfig
-    from loadgen.replay import run_replay
-    from loadgen.workload import Fit, Plan, PlannedRequest, poisson_arrivals
+    from pagedserve.loadgen.config import ReplayConfig
+    from pagedserve.loadgen.replay import run_replay
+    from pagedserve.loadgen.workload import Fit, Plan, PlannedRequest, poisson_arrivals
     arrivals = poisson_arrivals(len(reqs), rate or math.inf, 1.0, random.Random(seed))
     plan = Plan([PlannedRequest(i, t, prompt, len(prompt), m) for i, ((prompt, m), t) in
                  enumerate(zip(reqs, arrivals))], [], Fit("filter", 0, 1.0, None))
@@ -51,9 +51,9 @@ def drive(url: str, model: str, reqs, rate: float | None, seed: int,
 
 
 def offline_tokens_per_s(model: str, reqs, config_kw: dict) -> tuple[int, float]:
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.sampling_params import SamplingParams
     with Engine(EngineConfig(model=model, **config_kw)) as engine:
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
         start = time.perf_counter()
@@ -86,11 +86,11 @@ def main(argv=None) -> int:
     p.add_argument("--worker-threads", type=int, default=0, help="the launcher's --worker-threads (0: auto)")
     args = p.parse_args(argv)
 
-    from loadgen.stack import Stack
-    from services.tiny_model import build_tiny_model
+    from pagedserve.loadgen.stack import Stack
+    from pagedserve.services.tiny_model import build_tiny_model
     if not (Path(args.model) / "config.json").exists():
         build_tiny_model(args.model, arch="llama", hidden_size=args.hidden_size)
-    from services.worker.model_loader import inspect_model_dir
+    from pagedserve.services.worker.model_loader import inspect_model_dir
     _, spec = inspect_model_dir(args.model)
     reqs = make_requests(args.requests, args.prompt_len, args.max_tokens, spec.vocab_size, args.seed,
                          spread=not args.fixed_lengths)

@@ -7,7 +7,7 @@ One stack (`pagedserve up`), the same device pool, four runs of the same replay:
   restart  as host, with the scheduler SIGKILLed once half the requests have been sent (the
            launcher restarts it; the kvstore keeps the cache)
 
-    python -m loadgen.bench_host_cache --model DIR [--device-blocks 512] [--host-ratio 4] \\
+    python -m pagedserve.loadgen.bench_host_cache --model DIR [--device-blocks 512] [--host-ratio 4] \\
         [--rate 1] [--num-requests 400] [--out bench-host-cache] [--runs none,device,host,restart]
 
 Per run: the server's prefix hit rate per tier (its counters over the run), the infinite-cache
@@ -32,13 +32,13 @@ RUNS = {"none": ["--no-enable-prefix-caching", "--kv-offloading-size", "0"],
 
 
 def scheduler_pid(stack) -> int | None:
-    from loadgen.stack import alive, children_of
+    from pagedserve.loadgen.stack import alive, children_of
     for pid in children_of(stack.proc.pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.scheduler.service" in argv and alive(pid):
+        if b"pagedserve.services.scheduler.service" in argv and alive(pid):
             return pid
     return None
 
@@ -59,10 +59,10 @@ def around_restart(records: list, killed_at: float, n: int = 100) -> tuple[float
 
 
 def run_one(name: str, args, swap_gib: float) -> dict:
-    from loadgen.config import ReplayConfig
-    from loadgen.replay import replay
-    from loadgen.report import write_outputs
-    from loadgen.stack import Stack
+    from pagedserve.loadgen.config import ReplayConfig
+    from pagedserve.loadgen.replay import replay
+    from pagedserve.loadgen.report import write_outputs
+    from pagedserve.loadgen.stack import Stack
     stack = Stack(args.model, "--num-device-blocks", str(args.device_blocks), "--swap-space", f"{swap_gib:.9f}",
                   "--max-num-batched-tokens", str(args.max_num_batched_tokens), *RUNS[name])
     killed: list[float] = []
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not set(runs) <= set(RUNS):
         ap.error(f"--runs: each of {', '.join(RUNS)}")
     import torch
-    from services.worker.model_loader import inspect_model_dir
+    from pagedserve.services.worker.model_loader import inspect_model_dir
     _, spec = inspect_model_dir(args.model)
     block_bytes = spec.block_bytes(16, torch.float32)
     # The launcher makes int(GiB * 2^30) // block_bytes host blocks: half a block more keeps the count.

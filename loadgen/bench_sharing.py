@@ -14,7 +14,7 @@ paper's Poisson arrivals); ShareGPT cells run fewer requests, beam search fewest
 A random-weight model's beams tend to descend from one recent ancestor, so beam savings here run
 above the paper's (OPT-13B on real text keeps more distinct histories).
 
-    python -m loadgen.bench_sharing [--quick] [--requests 96] [--threads 1]   (~90 s on 2 cores)
+    python -m pagedserve.loadgen.bench_sharing [--quick] [--requests 96] [--threads 1]   (~90 s on 2 cores)
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def unshared_blocks(engine) -> int:
 def measure(engine, pairs: list[tuple[int, int]], mode: str, width: int, seed: int,
             workload: str = "") -> SharingResult:
     """Run the stream to completion step by step, sampling both block counts after every step."""
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = len(engine.tokenizer)
@@ -96,7 +96,7 @@ def ensure_model(model_dir: str) -> str:
     """The tiny llama the benchmarks run, built once into a cache folder."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        from services.tiny_model import build_tiny_model
+        from pagedserve.services.tiny_model import build_tiny_model
         build_tiny_model(path, arch="llama", seed=0, max_len=2048)
     return str(path)
 
@@ -138,9 +138,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[SharingResult]:
     args = parse_args(argv)
     import torch
-    from loadgen.lengths import sample_lengths, scale_lengths
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
+    from pagedserve.loadgen.lengths import sample_lengths, scale_lengths
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_model(args.model_dir)

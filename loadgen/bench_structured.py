@@ -2,7 +2,7 @@
 side by side, in alternating rounds, on the offline engine (the engine's step is what a grammar
 can slow; the router compiles a schema once and caches it).
 
-    python -m loadgen.bench_structured [--model DIR] [--requests 64] [--rounds 3] [--backend xgrammar]
+    python -m pagedserve.loadgen.bench_structured [--model DIR] [--requests 64] [--rounds 3] [--backend xgrammar]
 
 Each constrained round runs first and records every choice's output length; the unconstrained
 round that follows asks for exactly those lengths (ignore_eos), so both make the same tokens. It
@@ -66,8 +66,8 @@ def fuzz(eng, n: int, backend: str, max_tokens: int = 256, seed: int = 0) -> tup
 
     import jsonschema_rs
 
-    from services.guided import spec as specs
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.guided import spec as specs
+    from pagedserve.services.sampling_params import SamplingParams
     rng = random.Random(seed)
     schemas = []
     while len(schemas) < n:
@@ -100,14 +100,14 @@ def main(argv=None) -> int:
 
     import jsonschema_rs
 
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.guided import spec as specs
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.guided import spec as specs
+    from pagedserve.services.sampling_params import SamplingParams
 
     model = args.model
     if model is None:
-        from services.tiny_model import build_tiny_model
+        from pagedserve.services.tiny_model import build_tiny_model
         model = str(build_tiny_model(tempfile.mkdtemp(prefix="bench-structured-"), arch="llama", seed=0))
     prompts = [f"record {i}:" for i in range(args.requests)]
     constraint = specs.make("json", SCHEMA, args.backend)

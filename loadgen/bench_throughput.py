@@ -7,7 +7,7 @@ longest request is done; the engine uses continuous batching over the paged KV c
 EOS (min_new_tokens = max_new_tokens on the transformers side, ignore_eos on ours) and both are
 credited with each request's own max_tokens only, never a padded batch's extra tokens.
 
-    python -m loadgen.bench_throughput [--quick] [--requests 64] [--threads 2] [--profile]
+    python -m pagedserve.loadgen.bench_throughput [--quick] [--requests 64] [--threads 2] [--profile]
 """
 from __future__ import annotations
 
@@ -40,14 +40,14 @@ def ensure_model(model_dir: str, hidden_size: int, max_len: int) -> str:
     """A 2-layer Llama of the given width, built once into a cache folder."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        from services.tiny_model import build_tiny_model
+        from pagedserve.services.tiny_model import build_tiny_model
         build_tiny_model(path, arch="llama", seed=0, max_len=max_len, hidden_size=hidden_size)
     return str(path)
 
 
 def make_requests(n: int, divisor: float, max_total: int, vocab: int, seed: int) -> tuple[list[tuple[list[int], int]], str]:
     """n (prompt ids, max_tokens) with ShareGPT-like lengths divided by `divisor`."""
-    from loadgen.lengths import sample_lengths, scale_lengths
+    from pagedserve.loadgen.lengths import sample_lengths, scale_lengths
 
     lengths = scale_lengths(sample_lengths("sharegpt", n, seed), divisor, max_total)
     rng = random.Random(seed)
@@ -56,7 +56,7 @@ def make_requests(n: int, divisor: float, max_total: int, vocab: int, seed: int)
 
 
 def run_engine(engine, reqs: list[tuple[list[int], int]]) -> tuple[Run, list[list[int]]]:
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     start = time.perf_counter()
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     args = parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_model(args.model_dir, args.hidden_size, max(args.max_len, 1024))

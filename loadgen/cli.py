@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadgen.config import CompareConfig, PaperConfig, ReplayConfig, SimulateConfig, SweepConfig
-from services.flags import ConfigError, add_flags, from_args
+from pagedserve.loadgen.config import CompareConfig, PaperConfig, ReplayConfig, SimulateConfig, SweepConfig
+from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
     "replay": (ReplayConfig, "replay a workload once and write its report"),
@@ -34,8 +34,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     cls, _ = COMMANDS[args.command]
-    from loadgen.replay import ReplayError
-    from loadgen.traces import TraceError
+    from pagedserve.loadgen.replay import ReplayError
+    from pagedserve.loadgen.traces import TraceError
     try:
         cfg = from_args(cls, {k: v for k, v in vars(args).items() if k != "command"})
         writable_folder(cfg.out)
@@ -61,15 +61,15 @@ def writable_folder(path: str) -> None:
 
 
 def _run(command: str, cfg) -> int:
-    from loadgen import sweep as sweeps
+    from pagedserve.loadgen import sweep as sweeps
     if command == "replay":
-        from loadgen.replay import replay
-        from loadgen.report import write_outputs
+        from pagedserve.loadgen.replay import replay
+        from pagedserve.loadgen.report import write_outputs
         summary = write_outputs(replay(cfg), cfg.out)
         print(_one_line(summary) + f"; report in {cfg.out}/report.md")
         return 130 if summary["interrupted"] else 0
     if command == "simulate":
-        from loadgen.simulate import simulate, write_outputs as write_sim
+        from pagedserve.loadgen.simulate import simulate, write_outputs as write_sim
         try:
             s = write_sim(simulate(cfg), cfg.out)
         except ValueError as e:
@@ -81,7 +81,7 @@ def _run(command: str, cfg) -> int:
               f" and {100 * s['saturated']['kv_token_share']:.1f} %); summary in {cfg.out}/summary.json")
         return 0
     if command == "paper":
-        from loadgen.paper import paper
+        from pagedserve.loadgen.paper import paper
         report = paper(cfg)
         print(f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s; report in {cfg.out}/paper.md")
         return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 
 import aiohttp
 
-from loadgen.workload import PlannedRequest
+from pagedserve.loadgen.workload import PlannedRequest
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loadgen.traces import TRACE_NAMES
-from loadgen.workload import FIT_MODES
-from services.flags import opt
+from pagedserve.loadgen.traces import TRACE_NAMES
+from pagedserve.loadgen.workload import FIT_MODES
+from pagedserve.services.flags import opt
 
 ENDPOINTS = ("completions", "chat")
 SLO_KEYS = ("ttft", "tpot", "e2el")

@@ -12,9 +12,9 @@ What is compared for each request (an "observation"):
 - for deterministic requests (greedy, beam search): the content, i.e. each choice's text, finish
   reason and token counts; logprobs only by shape.
 
-    python -m loadgen.differential record --url http://127.0.0.1:8000           # rewrite the data file
-    python -m loadgen.differential check --url http://127.0.0.1:8000            # vs the recorded file
-    python -m loadgen.differential compare --url http://ours --peer-url http://vllm   # two servers
+    python -m pagedserve.loadgen.differential record --url http://127.0.0.1:8000           # rewrite the data file
+    python -m pagedserve.loadgen.differential check --url http://127.0.0.1:8000            # vs the recorded file
+    python -m pagedserve.loadgen.differential compare --url http://ours --peer-url http://vllm   # two servers
 
 `check` and `compare` print one line per difference and exit 1 if any (with `compare`, differences
 on cases marked `deliberate` are printed as such and do not count).
@@ -325,7 +325,7 @@ def report(cases: list[dict], first: dict[str, dict], second: dict[str, dict],
 # ---- the command line ----------------------------------------------------------------------------
 
 def record(url: str, path: Path = DATA_FILE, concurrency: int = 16) -> list[dict]:
-    from loadgen.differential_cases import build_cases
+    from pagedserve.loadgen.differential_cases import build_cases
     cases = build_cases()
     seen = asyncio.run(observe_all(url, cases, concurrency))
     for c in cases:

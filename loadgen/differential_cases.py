@@ -1,7 +1,7 @@
 """The differential suite's requests: what a client written for vLLM sends, a few hundred of them.
 
 Built here, written once into tests/data/differential.jsonl with the expectations observed on our
-stack (`python -m loadgen.differential record`), and read back from that file from then on. A case:
+stack (`python -m pagedserve.loadgen.differential record`), and read back from that file from then on. A case:
 
     {"id": str, "method": "POST", "path": "/v1/completions", "body": {...} | "raw": str,
      "headers": {...}, "serial": bool, "deliberate": str | None}
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 
-from services.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Scheduler:", "x = [1, 2, 3]",
            "# A paged KV cache", "while True:"]

@@ -10,7 +10,7 @@ ends every K-th stream with an error event after its first token.
 Plain asyncio and HTTP/1.1 with keep-alive and chunked bodies: no framework, so that the server is
 never the bottleneck of what it measures.
 
-    python -m loadgen.fake_server --port 8100 --ttft 0.05 --itl 0.01
+    python -m pagedserve.loadgen.fake_server --port 8100 --ttft 0.05 --itl 0.01
 """
 from __future__ import annotations
 

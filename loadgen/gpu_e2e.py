@@ -1,6 +1,6 @@
 """The served stack on a GPU against transformers, one part of `make gpu-check`:
 
-    python -m loadgen.gpu_e2e --json OUT [--device cuda] [--model DIR]
+    python -m pagedserve.loadgen.gpu_e2e --json OUT [--device cuda] [--model DIR]
 
 1. A random-weight 1B-shaped Llama is built (16 layers, hidden 2048, 32 query / 8 KV heads of 64,
    MLP 8192; the locally trained 2k-token tokenizer), unless --model names one.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from loadgen.bench_e2e import drive, make_requests
-from loadgen.metrics import summarize
-from loadgen.stack import Stack
+from pagedserve.loadgen.bench_e2e import drive, make_requests
+from pagedserve.loadgen.metrics import summarize
+from pagedserve.loadgen.stack import Stack
 
 NEW_TOKENS = 24
 AGREEMENT = 0.99
@@ -46,7 +46,7 @@ DECISIVE_NATS = 0.1
 
 
 def build_model(out: Path, device: str, layers: int, hidden: int) -> str:
-    from services.tiny_model import build_tiny_model
+    from pagedserve.services.tiny_model import build_tiny_model
     if (out / "config.json").exists():
         return str(out)
     heads = max(4, hidden // 64)
@@ -198,9 +198,9 @@ def check_pressure(model: str, device: str, prompts, reference, rows: list) -> N
 
 
 def check_bfloat16(model: str, device: str, prompts, rows: list) -> None:
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.sampling_params import SamplingParams
     hf16 = hf_model(model, torch.bfloat16, device)
     seqs = [p + hf_greedy(hf16, p, NEW_TOKENS, device) for p in prompts]
     hf_top, hf_lp, hf_margin = zip(*(hf_scores(hf16, s, device) for s in seqs))

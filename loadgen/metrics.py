@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from loadgen.client import RequestRecord
+from pagedserve.loadgen.client import RequestRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 

@@ -15,9 +15,9 @@ import time
 from multiprocessing import get_context
 from pathlib import Path
 
-from loadgen.config import PaperConfig, SimulateConfig
-from loadgen.report import jsonable
-from loadgen.sweep import row_of, sustained_rate
+from pagedserve.loadgen.config import PaperConfig, SimulateConfig
+from pagedserve.loadgen.report import jsonable
+from pagedserve.loadgen.sweep import row_of, sustained_rate
 
 ALLOCS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 NAMES = {"paged": "vLLM (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",
@@ -48,7 +48,7 @@ PAPER = {
 
 
 def _run(item: tuple[str, SimulateConfig]) -> tuple[str, dict]:
-    from loadgen.simulate import simulate, summary_of
+    from pagedserve.loadgen.simulate import simulate, summary_of
     key, cfg = item
     return key, summary_of(simulate(cfg))
 
@@ -158,7 +158,7 @@ def fig2(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                   "their token share is the mean fill of a region over its life, which the length "
                   "distribution sets.", ""]
     if plots:
-        from loadgen.plots import stacked_shares
+        from pagedserve.loadgen.plots import stacked_shares
         lines += [f"![fig2]({stacked_shares({NAMES[a]: data[a] for a in data}, out / 'fig2.png')})", ""]
     return "\n".join(lines), data
 
@@ -186,7 +186,7 @@ def fig12(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                       "are higher than the paper's: the cost model's step is faster than the paper's measured "
                       "one (see Fig. 13), so every system saturates later; the ratios are set by memory."]
         if plots:
-            from loadgen.plots import rate_plot
+            from pagedserve.loadgen.plots import rate_plot
             lines += ["", f"![fig12 {trace}]({rate_plot(series, out / f'fig12_{trace}.png', LATENCY_LIMIT[trace])})"]
         lines.append("")
     lines += [f"The rates tried are few ({', '.join(f'{len(r)} for {t}' for t, r in RATES.items())}, to keep "
@@ -222,7 +222,7 @@ def fig13(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
               "Fig. 2 (ours 97 % / 50 % for vLLM / Oracle, the paper's 96 % / 38 %): our Oracle wastes less "
               "than the paper's, for the reasons given under Fig. 2.", ""]
     if plots:
-        from loadgen.plots import grouped_bars
+        from pagedserve.loadgen.plots import grouped_bars
         bars = {group: {NAMES[a]: v for a, v in got.items()} for group, got in data.items()}
         lines += [f"![fig13]({grouped_bars(bars, out / 'fig13.png', 'average batched requests')})", ""]
     return "\n".join(lines), data

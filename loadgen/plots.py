@@ -9,8 +9,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import numpy as np  # noqa: E402
 
-from loadgen.client import RequestRecord  # noqa: E402
-from loadgen.metrics import timeline  # noqa: E402
+from pagedserve.loadgen.client import RequestRecord  # noqa: E402
+from pagedserve.loadgen.metrics import timeline  # noqa: E402
 
 
 def replay_plots(records: list[RequestRecord], samples: list[dict], out: Path) -> list[str]:

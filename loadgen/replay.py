@@ -16,11 +16,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadgen.client import RequestRecord, Target, get_json, new_session, send
-from loadgen.config import ReplayConfig
-from loadgen.scrape import Scraper
-from loadgen.traces import SYNTHETIC, load_trace
-from loadgen.workload import FIT_SAMPLE, Plan, PlannedRequest, build_plan
+from pagedserve.loadgen.client import RequestRecord, Target, get_json, new_session, send
+from pagedserve.loadgen.config import ReplayConfig
+from pagedserve.loadgen.scrape import Scraper
+from pagedserve.loadgen.traces import SYNTHETIC, load_trace
+from pagedserve.loadgen.workload import FIT_SAMPLE, Plan, PlannedRequest, build_plan
 
 DEFAULT_DRAWN = 1000          # requests drawn from a distribution when --num-requests is not given
 FIRST_TOKEN_ID = 10           # token-id prompts avoid the lowest ids (specials in most vocabularies)
@@ -91,7 +91,7 @@ async def discover(session, cfg: ReplayConfig) -> Server:
 def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
     codec = None
     if cfg.tokenizer:
-        from loadgen.text_prompts import TextCodec
+        from pagedserve.loadgen.text_prompts import TextCodec
         if not Path(cfg.tokenizer).is_dir():
             raise ReplayError(f"--tokenizer {cfg.tokenizer}: no such folder (a local tokenizer folder; "
                               "nothing is downloaded)")

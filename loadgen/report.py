@@ -10,8 +10,8 @@ import signal
 import threading
 from pathlib import Path
 
-from loadgen.metrics import LATENCIES, percentile_key, summarize
-from loadgen.replay import RunResult
+from pagedserve.loadgen.metrics import LATENCIES, percentile_key, summarize
+from pagedserve.loadgen.replay import RunResult
 
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 
@@ -85,7 +85,7 @@ def _write(result: RunResult, out: Path) -> dict:
             f.write(json.dumps(sample, separators=(",", ":")) + "\n")
     plots = []
     if result.config.plots and result.records:
-        from loadgen import plots as plotting
+        from pagedserve.loadgen import plots as plotting
         plots = plotting.replay_plots(result.records, result.samples, out)
     (out / "report.md").write_text(markdown(summary, result, plots))
     return summary

@@ -16,19 +16,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.allocator import make_policy
-from kvstore.replay import RecordingStore
-from kvstore.store import BlockStore
-from loadgen.client import RequestRecord
-from loadgen.config import SimulateConfig
-from loadgen.cost_model import GiB, PRESETS, CostModel, Preset, custom_preset
-from loadgen.metrics import summarize
-from loadgen.report import write_run
-from loadgen.traces import load_trace
-from loadgen.workload import Plan, build_plan
-from services.sampling_params import SamplingParams
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.steps import SampleResult
+from pagedserve.kvstore.allocator import make_policy
+from pagedserve.kvstore.replay import RecordingStore
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.loadgen.client import RequestRecord
+from pagedserve.loadgen.config import SimulateConfig
+from pagedserve.loadgen.cost_model import GiB, PRESETS, CostModel, Preset, custom_preset
+from pagedserve.loadgen.metrics import summarize
+from pagedserve.loadgen.report import write_run
+from pagedserve.loadgen.traces import load_trace
+from pagedserve.loadgen.workload import Plan, build_plan
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedserve.services.steps import SampleResult
 
 FIRST_TOKEN_ID, VOCAB = 10, 50000
 

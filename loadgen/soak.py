@@ -14,7 +14,7 @@ one, as a load balancer would. Every request ends as one outcome:
 Afterwards the stack must serve again, its block pool be back at its baseline (no sequence, no
 used block), and once stopped no process, shared-memory segment or run folder may be left.
 
-    python -m loadgen.soak --duration 180            (make soak)
+    python -m pagedserve.loadgen.soak --duration 180            (make soak)
 tests/test_soak.py runs a short form in `make test`.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import aiohttp
 
-from loadgen.stack import Stack, alive, children_of
+from pagedserve.loadgen.stack import Stack, alive, children_of
 
-ROLES = {"worker": "services.worker.service", "kvstore": "kvstore.service",
-         "scheduler": "services.scheduler.service", "router": "services.router.service"}
+ROLES = {"worker": "pagedserve.services.worker.service", "kvstore": "pagedserve.kvstore.service",
+         "scheduler": "pagedserve.services.scheduler.service", "router": "pagedserve.services.router.service"}
 CLEAN = {"ok", "cut", "stream_error", "router_died"}       # and every http_NNN with an OpenAI body
 KINDS = ("stream", "n", "beam", "stop", "chat", "cut")
 
@@ -320,7 +320,7 @@ def soak(model: str, duration_s: float, redis_url: str, seed: int = 0, concurren
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadgen.soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pagedserve.loadgen.soak", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="a local model folder, or 'tiny'")
     p.add_argument("--duration", type=float, default=180.0, help="seconds of faults and traffic")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/9")
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--hang-timeout", type=float, default=3.0)
     args = p.parse_args(argv)
-    from services.launcher import resolve_model
+    from pagedserve.services.launcher import resolve_model
     report = soak(resolve_model(args.model), args.duration, args.redis_url, args.seed, args.concurrency,
                   args.hang_timeout)
     print(report.figures())

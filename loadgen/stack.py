@@ -59,7 +59,7 @@ class Stack:
     def __init__(self, model: str, *flags: str, routers: int = 1, timeout_s: float = 300):
         self.port = free_port(routers)
         self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(routers)]
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(self.port),
+        argv = [sys.executable, "-m", "pagedserve.services.cli", "up", "--model", model, "--port", str(self.port),
                 "--routers", str(routers), *flags]
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -11,9 +11,9 @@ import json
 import math
 from pathlib import Path
 
-from loadgen.config import CompareConfig, SweepConfig
-from loadgen.replay import ReplayError, replay
-from loadgen.report import jsonable, load_summary, write_outputs
+from pagedserve.loadgen.config import CompareConfig, SweepConfig
+from pagedserve.loadgen.replay import ReplayError, replay
+from pagedserve.loadgen.report import jsonable, load_summary, write_outputs
 
 
 def auto_rates(saturated_rps: float, points: int) -> list[float]:
@@ -96,7 +96,7 @@ def write_sweep(result: dict, out: Path, plots: bool) -> None:
     if result.get("error"):
         lines += ["", f"The sweep stopped: {result['error']}"]
     if plots:
-        from loadgen.plots import rate_plot
+        from pagedserve.loadgen.plots import rate_plot
         finite = {result["label"]: [r for r in result["rows"] if math.isfinite(r["rate"])]}
         lines += ["", f"![sweep]({rate_plot(finite, out / 'sweep.png', result['max_normalized_latency'])})"]
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
@@ -132,7 +132,7 @@ def compare(cfg: CompareConfig) -> dict[str, list[dict]]:
     lines = ["# loadgen compare", "", _table(series)]
     finite = {k: [r for r in rows if r["rate"] is not None and math.isfinite(r["rate"])] for k, rows in series.items()}
     if any(finite.values()):
-        from loadgen.plots import rate_plot
+        from pagedserve.loadgen.plots import rate_plot
         lines += ["", f"![compare]({rate_plot(finite, out / 'compare.png')})"]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     return series

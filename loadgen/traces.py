@@ -14,7 +14,7 @@ from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
-from loadgen.lengths import WORKLOADS, sample_lengths
+from pagedserve.loadgen.lengths import WORKLOADS, sample_lengths
 
 MOONCAKE_BLOCK_TOKENS = 512      # one Mooncake hash id covers this many prompt tokens
 MAX_LENGTH = 10**8               # a token count past any context (and past float precision worries)

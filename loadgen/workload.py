@@ -11,8 +11,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from loadgen.lengths import cap_pair
-from loadgen.traces import Trace, TraceRequest
+from pagedserve.loadgen.lengths import cap_pair
+from pagedserve.loadgen.traces import Trace, TraceRequest
 
 FIT_MODES = ("scale", "filter")
 SCALE_QUANTILE = 0.99     # --fit scale shrinks every length so that this quantile of prompt + output fits

@@ -12,8 +12,8 @@ Sections, each a subprocess with its own time limit, the whole under BUDGET_S:
   ipc        pytest tests/test_gpu_ipc.py tests/test_cuda_sync.py: the pool and events over CUDA
              IPC, copy-on-write and swap bytes against a CPU copy
              (these three pytest runs go side by side: Triton's compiles are CPU-bound)
-  benchmark  python -m kernels.benchmark: paged vs contiguous SDPA, decode and prefill (a figure)
-  server     python -m loadgen.gpu_e2e: a 1B-shaped Llama served on the GPU against transformers,
+  benchmark  python -m pagedserve.kernels.benchmark: paged vs contiguous SDPA, decode and prefill (a figure)
+  server     python -m pagedserve.loadgen.gpu_e2e: a 1B-shaped Llama served on the GPU against transformers,
              preemption under a small pool, a replay at a few rates
 
 Exit status: 0 every check passed; 1 a check failed or ran out of time (the table says which);
@@ -114,7 +114,7 @@ def pytest_row(section: str, what: str, code, seconds: float, log: Path) -> dict
 def benchmark_rows(code, seconds: float, out: Path, log: Path) -> list[dict]:
     if code != 0 or not out.exists():
         tail = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1][:120]
-        return [{"section": "benchmark", "check": "kernels.benchmark ran", "ok": False,
+        return [{"section": "benchmark", "check": "pagedserve.kernels.benchmark ran", "ok": False,
                  "figure": "out of time" if code is None else tail}]
     data = json.loads(out.read_text())
     rows = [{"section": "benchmark", "check": "paged == contiguous on every cell (max |diff| < 2e-2)",
@@ -171,16 +171,16 @@ def main() -> int:
         code, seconds = finish(proc, test_deadline)
         rows.append(pytest_row(what.split(":")[0], what.split(": ", 1)[1], code, seconds, log))
     out, log = work / "bench.json", work / "bench.log"
-    code, seconds = finish(start(py + ["-m", "kernels.benchmark", "--repeats", "20", "--json", str(out)], env, log),
+    code, seconds = finish(start(py + ["-m", "pagedserve.kernels.benchmark", "--repeats", "20", "--json", str(out)], env, log),
                            min(deadline, time.monotonic() + 45))
     rows += benchmark_rows(code, seconds, out, log)
     out, log = work / "e2e.json", work / "e2e.log"
-    code, seconds = finish(start(py + ["-m", "loadgen.gpu_e2e", "--json", str(out), "--rates", "4,16,0"], env, log),
+    code, seconds = finish(start(py + ["-m", "pagedserve.loadgen.gpu_e2e", "--json", str(out), "--rates", "4,16,0"], env, log),
                            deadline)
     if out.exists():
         rows += json.loads(out.read_text())
     if code != 0 and not any(r["section"] == "server" and r["ok"] is False for r in rows):
-        rows.append({"section": "server", "check": "loadgen.gpu_e2e finished", "ok": False,
+        rows.append({"section": "server", "check": "pagedserve.loadgen.gpu_e2e finished", "ok": False,
                      "figure": f"out of time after {seconds:.0f} s" if code is None else f"exit {code}"})
     rows.append({"section": "total", "check": "wall time", "ok": time.monotonic() - began <= BUDGET_S + 15,
                  "figure": f"{time.monotonic() - began:.0f} s (logs in {work})"})

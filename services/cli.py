@@ -11,26 +11,26 @@ import sys
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from services.engine_config import EngineConfig
-    from services.flags import add_flags
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.flags import add_flags
     add_flags(p, EngineConfig)
 
 
 def _engine_config(args):
-    from services.engine_config import EngineConfig
-    from services.flags import from_args
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.flags import from_args
     return from_args(EngineConfig, args)
 
 
 def cmd_tiny_model(args) -> int:
-    from services.tiny_model import build_tiny_model
+    from pagedserve.services.tiny_model import build_tiny_model
     out = build_tiny_model(args.dir, arch=args.arch, seed=args.seed)
     print(f"wrote a tiny {args.arch} model to {out}")
     return 0
 
 
 def cmd_keys(args) -> int:
-    from services.curve import make_keys
+    from pagedserve.services.curve import make_keys
     if make_keys(args.dir):
         print(f"wrote CURVE keys to {args.dir} (server, client, authorized/client.key)")
     else:
@@ -39,8 +39,8 @@ def cmd_keys(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from services.engine import Engine
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n, beam_width=args.beam_width,
                             ignore_eos=args.ignore_eos).validate()
@@ -61,10 +61,10 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     """What `make serve` runs until the services exist: build the tiny model, generate, show stats."""
     from pathlib import Path
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.sampling_params import SamplingParams
-    from services.tiny_model import build_tiny_model
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.sampling_params import SamplingParams
+    from pagedserve.services.tiny_model import build_tiny_model
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
@@ -80,13 +80,13 @@ def cmd_demo(args) -> int:
 
 
 SERVICES = {   # name: (module, help, the module's function that adds the flags)
-    "serve": ("services.launcher", "serve MODEL with vLLM's flags: the whole stack (kvstore, workers, scheduler, "
+    "serve": ("pagedserve.services.launcher", "serve MODEL with vLLM's flags: the whole stack (kvstore, workers, scheduler, "
                                    "routers), until SIGTERM", "add_serve_arguments"),
-    "up": ("services.launcher", "the same as serve, the model given by --model (default: tiny)"),
-    "router": ("services.router.service", "one HTTP router (OpenAI-compatible API)"),
-    "scheduler": ("services.scheduler.service", "the scheduler of one engine replica"),
-    "worker": ("services.worker.service", "one model worker (one per device / tensor-parallel rank)"),
-    "kvstore": ("kvstore.service", "the KV block-store service of one engine replica"),
+    "up": ("pagedserve.services.launcher", "the same as serve, the model given by --model (default: tiny)"),
+    "router": ("pagedserve.services.router.service", "one HTTP router (OpenAI-compatible API)"),
+    "scheduler": ("pagedserve.services.scheduler.service", "the scheduler of one engine replica"),
+    "worker": ("pagedserve.services.worker.service", "one model worker (one per device / tensor-parallel rank)"),
+    "kvstore": ("pagedserve.kvstore.service", "the KV block-store service of one engine replica"),
 }
 
 
@@ -99,7 +99,7 @@ def _add_service_commands(sub) -> None:
 
 def _service_args(argv: list[str]):
     import importlib
-    from services.process import OneLineParser
+    from pagedserve.services.process import OneLineParser
     module_name, help_text, *adder = SERVICES[argv[0]]
     module = importlib.import_module(module_name)
     parser = OneLineParser(prog=f"pagedserve {argv[0]}", description=help_text)
@@ -111,7 +111,7 @@ def _service_args(argv: list[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.process import OneLineParser
+    from pagedserve.services.process import OneLineParser
     parser = OneLineParser(prog="pagedserve", description="LLM serving on PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -150,10 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _service_args(argv) if argv and argv[0] in SERVICES else build_parser().parse_args(argv)
-    from services.tiny_model import TinyModelError
-    from services.worker.model_loader import ModelLoadError
-    from services.sampling_params import SamplingParamsError
-    from services.engine import PromptTooLongError
+    from pagedserve.services.tiny_model import TinyModelError
+    from pagedserve.services.worker.model_loader import ModelLoadError
+    from pagedserve.services.sampling_params import SamplingParamsError
+    from pagedserve.services.engine import PromptTooLongError
     # ValueError covers every config's validate() (ConfigError, SchedulerError are ValueErrors).
     expected = (ValueError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
     try:

@@ -10,8 +10,8 @@ import math
 import os
 import re
 
-from kvstore.allocator import ALLOCATIONS
-from services.flags import opt
+from pagedserve.kvstore.allocator import ALLOCATIONS
+from pagedserve.services.flags import opt
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")     # services.worker.model_loader maps them
 PREEMPTION_MODES = ("swap", "recompute", "auto")
@@ -211,7 +211,7 @@ def optional_endpoint(help: str):
 
 
 def curve_keys(why: str):
-    from services.curve import KEYS_ENV     # (no import cycle: curve needs only zmq)
+    from pagedserve.services.curve import KEYS_ENV     # (no import cycle: curve needs only zmq)
     return opt("", f"folder of CURVE keys (pagedserve keys DIR; else ${KEYS_ENV}): {why}")
 
 

@@ -10,20 +10,20 @@ import time
 from dataclasses import dataclass
 
 
-from kvstore.allocator import make_policy
-from kvstore.pool import BlockPool, unique_pool_name
-from kvstore.store import BlockStore
-from services import config_fields as cf
-from services.engine_config import ConfigError, EngineConfig
-from services.router.detokenizer import without_cut_character
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.sampling_params import SamplingParams
-from services.worker.model_loader import (context_length, inspect_model_dir, load_model, load_tokenizer,
+from pagedserve.kvstore.allocator import make_policy
+from pagedserve.kvstore.pool import BlockPool, unique_pool_name
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services import config_fields as cf
+from pagedserve.services.engine_config import ConfigError, EngineConfig
+from pagedserve.services.router.detokenizer import without_cut_character
+from pagedserve.services.scheduler.request import Request
+from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.worker.model_loader import (context_length, inspect_model_dir, load_model, load_tokenizer,
                                           serving_dtype)
-from services.worker.model_runner import ModelRunner
-from services.worker.guides import Guides
-from services.worker.worker_core import WorkerCore
+from pagedserve.services.worker.model_runner import ModelRunner
+from pagedserve.services.worker.guides import Guides
+from pagedserve.services.worker.worker_core import WorkerCore
 
 
 class PromptTooLongError(ValueError):

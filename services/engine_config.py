@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services import config_fields as cf
-from services.config_fields import allocation_check, at_least
-from services.flags import ConfigError, check_config, opt
+from pagedserve.services import config_fields as cf
+from pagedserve.services.config_fields import allocation_check, at_least
+from pagedserve.services.flags import ConfigError, check_config, opt
 
 __all__ = ["ConfigError", "EngineConfig"]
 

@@ -18,7 +18,7 @@ import time
 
 import zmq
 
-from services import protocol
+from pagedserve.services import protocol
 
 PING_EVERY_S = 0.5
 

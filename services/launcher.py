@@ -21,11 +21,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services import config_fields as cf
-from services.config_fields import allocation_check, at_least, positive
-from services.flags import ConfigError, add_flags, check_config, from_args, opt
-from services.router.options import RouterOptions, passed_down
-from services.supervisor import Child, Supervisor
+from pagedserve.services import config_fields as cf
+from pagedserve.services.config_fields import allocation_check, at_least, positive
+from pagedserve.services.flags import ConfigError, add_flags, check_config, from_args, opt
+from pagedserve.services.router.options import RouterOptions, passed_down
+from pagedserve.services.supervisor import Child, Supervisor
 
 TINY_DIR = Path(".cache/tiny-llama")
 
@@ -109,7 +109,7 @@ def resolve_model(model: str) -> str:
     if model != "tiny":
         return model
     if not (TINY_DIR / "config.json").exists():
-        from services.tiny_model import build_tiny_model
+        from pagedserve.services.tiny_model import build_tiny_model
         print(f"building the tiny model in {TINY_DIR} (first use only) ...", file=sys.stderr, flush=True)
         build_tiny_model(TINY_DIR, arch="llama")
     return str(TINY_DIR)
@@ -117,7 +117,7 @@ def resolve_model(model: str) -> str:
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
-    from services.worker.model_loader import context_length, inspect_model_dir, serving_dtype
+    from pagedserve.services.worker.model_loader import context_length, inspect_model_dir, serving_dtype
 
     _, spec = inspect_model_dir(model)
     context_length(cfg.max_model_len, spec)              # refused here, before anything starts
@@ -135,7 +135,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     worker_beat, sched_beat = heartbeat_endpoints(run_dir)
     hang = ["--hang-timeout", str(cfg.hang_timeout_s)]
     py = [sys.executable, "-m"]
-    procs = [("kvstore", py + ["kvstore.service", "--endpoint", kv, *device_pool,
+    procs = [("kvstore", py + ["pagedserve.kvstore.service", "--endpoint", kv, *device_pool,
                                "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
                                "--host-cache-blocks",
                                str(cf.host_cache_blocks(cfg, host_blocks, block_bytes, cfg.tensor_parallel)),
@@ -146,7 +146,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     dist = f"tcp://127.0.0.1:{_free_port()}"
     threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
     for rank in range(cfg.tensor_parallel):
-        procs.append((f"worker{rank}", py + ["services.worker.service", "--model", model, "--rank", str(rank),
+        procs.append((f"worker{rank}", py + ["pagedserve.services.worker.service", "--model", model, "--rank", str(rank),
                                              "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
                                              "--endpoint", worker, "--kvstore-endpoint", kv,
                                              "--device", cfg.device, "--block-size", str(cfg.block_size),
@@ -156,7 +156,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--torch-threads", str(threads),
                                              "--grammar-cache-size", str(cfg.grammar_cache_size)]
                       + (["--heartbeat-endpoint", worker_beat] + hang if rank == 0 else [])))
-    procs.append(("scheduler", py + ["services.scheduler.service", "--model", model, "--endpoint", sched,
+    procs.append(("scheduler", py + ["pagedserve.services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,
                                      "--max-num-seqs", str(cfg.max_num_seqs),
                                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
@@ -170,7 +170,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     procs[-1][1].extend(context)
     router_flags, _ = passed_down(cfg)
     for i in range(cfg.routers):
-        procs.append((f"router{i}", py + ["services.router.service", "--model", model, "--host", cfg.host,
+        procs.append((f"router{i}", py + ["pagedserve.services.router.service", "--model", model, "--host", cfg.host,
                                           "--port", str(cfg.port + i), "--scheduler-endpoint", sched,
                                           "--router-id", f"router-{i}", "--log-level", cfg.log_level]
                       + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + context + router_flags))

@@ -25,7 +25,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def service_main(name: str, add_arguments, config_from_args, run, argv=None, description: str = "") -> int:
     """Parse flags, validate the config, run; an invalid setting or model folder exits 2 with one line."""
-    from services.worker.model_loader import ModelLoadError
+    from pagedserve.services.worker.model_loader import ModelLoadError
 
     parser = OneLineParser(prog=f"pagedserve {name}", description=description)
     add_arguments(parser)

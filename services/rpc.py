@@ -21,8 +21,8 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services import protocol
-from services.curve import SocketGuard
+from pagedserve.services import protocol
+from pagedserve.services.curve import SocketGuard
 
 
 WAIT_SLICE_S = 0.25

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.guided import spec as guided_spec
+from pagedserve.services.guided import spec as guided_spec
 
 # Below this a temperature counts as greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5

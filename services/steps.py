@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.protocol import SampleResult
-from services.sampling_params import SamplingParams
+from pagedserve.services.protocol import SampleResult
+from pagedserve.services.sampling_params import SamplingParams
 
 __all__ = ["SampleRequest", "SampleResult", "SeqStep"]
 

@@ -33,7 +33,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from services.heartbeat import HeartbeatWatch
+from pagedserve.services.heartbeat import HeartbeatWatch
 
 log = logging.getLogger("pagedserve.launcher")
 

@@ -24,13 +24,13 @@ def cpu_kernel_built():
     """The C++ CPU attention (kernels/cpu_ops.py) built once, before any test starts a worker: the
     first build takes ~10 s, which would otherwise land inside some process's startup timeout
     (later processes, and later sessions, only load it)."""
-    from kernels import cpu_ops
+    from pagedserve.kernels import cpu_ops
     cpu_ops.available()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
-    from services.tiny_model import build_tiny_model
+    from pagedserve.services.tiny_model import build_tiny_model
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: str(build_tiny_model(root / arch, arch=arch, seed=0)) for arch in ARCHS}
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from services import protocol
-from services.sampling_params import SamplingParams
+from pagedserve.services import protocol
+from pagedserve.services.sampling_params import SamplingParams
 
 
 @dataclass

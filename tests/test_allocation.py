@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.allocator import ALLOCATIONS, OrcaPolicy, make_policy
-from kvstore.replay import RecordingStore, apply_ops
-from kvstore.store import BlockStore
-from services.sampling_params import SamplingParams
-from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
-from services.steps import SampleResult
+from pagedserve.kvstore.allocator import ALLOCATIONS, OrcaPolicy, make_policy
+from pagedserve.kvstore.replay import RecordingStore, apply_ops
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from pagedserve.services.steps import SampleResult
 
 B = 4
 

@@ -19,14 +19,14 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from loadgen.stack import Stack
+from pagedserve.loadgen.stack import Stack
 
 EXAMPLES = int(os.environ.get("API_FUZZ_EXAMPLES", "4"))
 
 
 @pytest.fixture(scope="module")
 def fuzz_stack(tmp_path_factory):
-    from services.tiny_model import build_tiny_model
+    from pagedserve.services.tiny_model import build_tiny_model
     model = str(build_tiny_model(tmp_path_factory.mktemp("fuzz-model") / "llama", max_len=64))
     stack = Stack(model, "--num-device-blocks", "64", "--log-level", "WARNING")
     stack.baseline = engine_load(stack.url)

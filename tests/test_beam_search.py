@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 
-from services.scheduler.beam_search import BeamSearch, BeamSearchError
+from pagedserve.services.scheduler.beam_search import BeamSearch, BeamSearchError
 
 torch = pytest.importorskip("torch")
 

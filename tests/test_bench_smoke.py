@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadgen import bench_sharing, bench_throughput
-from loadgen.lengths import WORKLOADS, Lengths, sample_lengths, scale_lengths
-from services.engine import Engine
-from services.engine_config import EngineConfig
+from pagedserve.loadgen import bench_sharing, bench_throughput
+from pagedserve.loadgen.lengths import WORKLOADS, Lengths, sample_lengths, scale_lengths
+from pagedserve.services.engine import Engine
+from pagedserve.services.engine_config import EngineConfig
 
 
 @pytest.fixture
@@ -87,14 +87,14 @@ def test_scaling_divides_then_caps_output_first():
 
 
 def test_control_plane_quick_prints_its_table(capsys):
-    from loadgen import bench_control_plane
+    from pagedserve.loadgen import bench_control_plane
     assert bench_control_plane.main(["--seqs", "1", "4", "--steps", "5"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "4"] and all(len(r) >= 10 for r in rows)
 
 
 def test_e2e_quick_prints_its_table(tiny_llama, capsys):
-    from loadgen import bench_e2e
+    from pagedserve.loadgen import bench_e2e
     assert bench_e2e.main(["--model", tiny_llama, "--requests", "3", "--rate", "20", "--prompt-len", "8",
                            "--max-tokens", "4", "--num-device-blocks", "64"]) == 0
     out = capsys.readouterr().out
@@ -103,7 +103,7 @@ def test_e2e_quick_prints_its_table(tiny_llama, capsys):
 
 def test_kernel_benchmark_quick_prints_every_cell(capsys, tmp_path):
     import json
-    from kernels import benchmark
+    from pagedserve.kernels import benchmark
     benchmark.main(["--repeats", "1", "--batch-sizes", "2", "8", "--contexts", "17", "64",
                     "--json", str(tmp_path / "rows.json")])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()

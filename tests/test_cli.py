@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-from services.cli import main
+from pagedserve.services.cli import main
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import SERVICES, _service_args
+from pagedserve.services.cli import SERVICES, _service_args
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = {"keys", "redis", "kvstore", "worker", "scheduler", "router", "nginx", "prometheus", "grafana"}
@@ -45,7 +45,7 @@ def test_kvstore_and_worker_share_one_gpu_and_ipc(compose):
 
 def test_the_kvstores_block_bytes_fit_the_workers_dtype(compose, tiny_llama):
     import torch
-    from services.worker.model_loader import inspect_model_dir
+    from pagedserve.services.worker.model_loader import inspect_model_dir
     kv = [_substitute(str(a)) for a in compose["services"]["kvstore"]["command"]]
     worker = [_substitute(str(a)) for a in compose["services"]["worker"]["command"]]
     _, spec = inspect_model_dir(tiny_llama)   # the image's /models/tiny is built the same way
@@ -65,8 +65,8 @@ def test_command_parses_with_real_cli(compose, name):
 def test_every_zeromq_process_gets_the_curve_keys_made_first(compose, tmp_path):
     """The engine's sockets listen on the compose network: each process reads the keys volume
     (PAGEDSERVE_CURVE_KEYS) after the one-shot keys service wrote it, and the keys it writes load."""
-    from services.cli import build_parser
-    from services.curve import CurveKeys, is_local
+    from pagedserve.services.cli import build_parser
+    from pagedserve.services.curve import CurveKeys, is_local
     services = compose["services"]
     keys = services["keys"]
     args = build_parser().parse_args(keys["command"][:1] + [str(tmp_path / "k")])

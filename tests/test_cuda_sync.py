@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from kvstore import cuda_sync
-from kvstore.cuda_sync import CopySync, StepSync
-from services import protocol
-from services.worker.service import WorkerService
-from services.worker.worker_core import WorkerCore
+from pagedserve.kvstore import cuda_sync
+from pagedserve.kvstore.cuda_sync import CopySync, StepSync
+from pagedserve.services import protocol
+from pagedserve.services.worker.service import WorkerService
+from pagedserve.services.worker.worker_core import WorkerCore
 
 
 class FakeCuda:

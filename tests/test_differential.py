@@ -8,7 +8,7 @@ Against another server, on demand: start vLLM (../shared/peers/) on a model fold
 
 starts our stack on the same model (the peer's /v1/models `root`, or PAGEDSERVE_DIFF_MODEL), sends
 both the same requests and prints every difference; those on cases marked `deliberate` (the
-README's list) are printed but do not fail the test. `python -m loadgen.differential compare`
+README's list) are printed but do not fail the test. `python -m pagedserve.loadgen.differential compare`
 does the same against two servers already running.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen import differential
-from loadgen.differential_cases import build_cases
-from loadgen.stack import Stack
+from pagedserve.loadgen import differential
+from pagedserve.loadgen.differential_cases import build_cases
+from pagedserve.loadgen.stack import Stack
 
 PEER_URL = os.environ.get("PAGEDSERVE_DIFF_PEER_URL")
 
@@ -32,7 +32,7 @@ def cases() -> list[dict]:
 
 
 def test_the_data_file_holds_the_current_cases_each_with_an_expectation(cases):
-    # Rewrite it with `python -m loadgen.differential record --url <our stack on the tiny llama>`.
+    # Rewrite it with `python -m pagedserve.loadgen.differential record --url <our stack on the tiny llama>`.
     assert [{k: v for k, v in c.items() if k != "expect"} for c in cases] == build_cases()
     assert len(cases) >= 300 and all("status" in c["expect"] for c in cases)
     statuses = {c["expect"]["status"] for c in cases}

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import Engine
-from services.engine_config import ConfigError, EngineConfig
-from services.sampling_params import SamplingParams, SamplingParamsError
-from services.scheduler.scheduler import SchedulerError
+from pagedserve.services.engine import Engine
+from pagedserve.services.engine_config import ConfigError, EngineConfig
+from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
+from pagedserve.services.scheduler.scheduler import SchedulerError
 from tests.test_exactness import hf_greedy
 
 PROMPTS = [
@@ -400,7 +400,7 @@ def test_config_rejects_bad_values(tiny_llama):
 def test_rope_scaling_that_cached_kv_cannot_follow_is_refused(tiny_llama, tmp_path, rope):
     import json
     import shutil
-    from services.worker.model_loader import ModelLoadError, inspect_model_dir
+    from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     cfg = json.loads((model / "config.json").read_text())

@@ -1,8 +1,8 @@
 """The engine's side of /metrics without processes: which router exports, and the step histogram."""
 from __future__ import annotations
 
-from services.scheduler.exporter import ExporterElection
-from services.scheduler.step_stats import ITERATION_TOKENS_BUCKETS, StepStats
+from pagedserve.services.scheduler.exporter import ExporterElection
+from pagedserve.services.scheduler.step_stats import ITERATION_TOKENS_BUCKETS, StepStats
 
 
 def test_one_router_exports_and_the_next_takes_over_after_the_window():

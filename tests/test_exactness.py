@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from services.engine import Engine
-from services.engine_config import EngineConfig
-from services.sampling_params import SamplingParams
+from pagedserve.kernels import ops
+from pagedserve.services.engine import Engine
+from pagedserve.services.engine_config import EngineConfig
+from pagedserve.services.sampling_params import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -41,7 +41,7 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new: int) -> list
 def test_greedy_matches_transformers(tiny_model_dirs, arch, block_size):
     model_dir = tiny_model_dirs[arch]
     # The CPU serving path is the C++ kernel (kernels/cpu_ops.py); the compiler is on every CI machine.
-    assert kernels.resolve_impl(torch.zeros(1), None) == "cpu"
+    assert ops.resolve_impl(torch.zeros(1), None) == "cpu"
     with Engine(EngineConfig(model=model_dir, block_size=block_size, num_device_blocks=256)) as engine:
         ids = [engine.tokenize(p) for p in PROMPTS]
         assert len({len(i) for i in ids}) >= 8, "prompts must have different lengths"

@@ -8,18 +8,18 @@ import time
 
 import zmq
 
-from services import protocol
-from services.sampling_params import SamplingParams
+from pagedserve.services import protocol
+from pagedserve.services.sampling_params import SamplingParams
 
 
 def start(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.services.cli", *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def engine_processes(model: str, tmp_path, *scheduler_flags: str) -> tuple[list[subprocess.Popen], str]:
     """kvstore, worker and scheduler as separate processes (no launcher) -> (procs, scheduler endpoint)."""
-    from services.worker.model_loader import inspect_model_dir
+    from pagedserve.services.worker.model_loader import inspect_model_dir
     import torch
     _, spec = inspect_model_dir(model)
     kv, worker, sched = (f"ipc://{tmp_path}/{n}.sock" for n in ("kv", "worker", "sched"))
@@ -228,7 +228,7 @@ def test_a_garbled_or_mismatched_worker_reply_fails_the_request_not_the_schedule
     that step ends with an error and the scheduler lives on (a ProtocolError escaping its loop used
     to end the process)."""
     import threading
-    from services.worker.model_loader import inspect_model_dir
+    from pagedserve.services.worker.model_loader import inspect_model_dir
     import torch
     _, spec = inspect_model_dir(tiny_llama)
     kv, worker, sched = (f"ipc://{tmp_path}/{n}.sock" for n in ("kv", "worker", "sched"))

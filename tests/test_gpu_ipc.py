@@ -11,10 +11,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from test_kvstore_service import BLOCK_BYTES, DEVICE_BLOCKS, HOST_BLOCKS, B, free_port, start, stop, wait_ready  # noqa: E402
 
-from kvstore.client import KVStoreClient, attach_pools  # noqa: E402
-from kvstore.cuda_sync import StepSync  # noqa: E402
-from kvstore.replay import RecordingStore  # noqa: E402
-from kvstore.store import BlockStore  # noqa: E402
+from pagedserve.kvstore.client import KVStoreClient, attach_pools  # noqa: E402
+from pagedserve.kvstore.cuda_sync import StepSync  # noqa: E402
+from pagedserve.kvstore.replay import RecordingStore  # noqa: E402
+from pagedserve.kvstore.store import BlockStore  # noqa: E402
 
 
 def test_cow_and_swap_bytes_over_cuda_ipc():

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from test_kernels import PagedCase  # noqa: E402  (the same builder of shuffled paged caches)
 
-import kernels  # noqa: E402
+from pagedserve.kernels import ops  # noqa: E402
 
 TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -38,7 +38,7 @@ def test_decode_at_real_sizes(dtype, block_size, head_dim):
     case = PagedCase(seq_lens=seq_lens, q_lens=[1] * len(seq_lens), block_size=block_size, num_q_heads=32,
                      num_kv_heads=8, head_dim=head_dim, dtype=dtype, seed=head_dim * block_size)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
-    close(kernels.paged_decode_attention(*args), case.contiguous(), dtype)
+    close(ops.paged_decode_attention(*args), case.contiguous(), dtype)
 
 
 def test_block_copy_on_a_second_device_stream_and_a_pool_of_real_size():
@@ -49,6 +49,6 @@ def test_block_copy_on_a_second_device_stream_and_a_pool_of_real_size():
     expected = pool[src].clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        kernels.copy_blocks(pool, src, dst)
+        ops.copy_blocks(pool, src, dst)
     stream.synchronize()
     assert torch.equal(pool[dst], expected)

@@ -10,13 +10,13 @@ import jsonschema_rs
 import pytest
 import torch
 
-from services.guided import spec as specs
-from services.guided.backends import GrammarError, make_backend
-from services.guided.cache import CompileCache
-from services.sampling_params import SamplingParams, SamplingParamsError
-from services.steps import SampleRequest
-from services.worker.guides import Guides
-from services.worker.sampler import SamplingRow, apply_token_bitmask, sample
+from pagedserve.services.guided import spec as specs
+from pagedserve.services.guided.backends import GrammarError, make_backend
+from pagedserve.services.guided.cache import CompileCache
+from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
+from pagedserve.services.steps import SampleRequest
+from pagedserve.services.worker.guides import Guides
+from pagedserve.services.worker.sampler import SamplingRow, apply_token_bitmask, sample
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"},
@@ -25,7 +25,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "o
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
-    from services.worker.model_loader import load_tokenizer
+    from pagedserve.services.worker.model_loader import load_tokenizer
     return load_tokenizer(tiny_llama)
 
 
@@ -174,8 +174,8 @@ def test_the_bitmask_masks_only_its_rows():
 
 @pytest.mark.parametrize("backend", specs.BACKENDS)
 def test_the_offline_engine_keeps_to_a_json_schema(tiny_llama, backend):
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
     with Engine(EngineConfig(model=tiny_llama, num_device_blocks=64)) as eng:
         params = SamplingParams(n=4, max_tokens=96, temperature=1.0, seed=11,
                                 structured_outputs=specs.make("json", SCHEMA, backend))
@@ -187,7 +187,7 @@ def test_the_offline_engine_keeps_to_a_json_schema(tiny_llama, backend):
             assert valid.is_valid(json.loads(o.text)), o.text
         assert not eng.guides.seqs, "finished requests leave no matchers behind"
         # Fuzzed schemas (nested objects, arrays, enums, numbers, patterns): every stop validates.
-        from loadgen.bench_structured import fuzz
+        from pagedserve.loadgen.bench_structured import fuzz
         stopped, valid, n = fuzz(eng, 12, backend, max_tokens=128, seed=5)
         assert valid == stopped >= n // 2
         with pytest.raises(GrammarError, match="foo"):
@@ -197,8 +197,8 @@ def test_the_offline_engine_keeps_to_a_json_schema(tiny_llama, backend):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempted_sequences_keep_to_their_grammar(tiny_llama, mode):
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
     pattern = r"(\d )+"
     with Engine(EngineConfig(model=tiny_llama, num_device_blocks=8, num_host_blocks=32,
                              preemption_mode=mode)) as eng:

@@ -9,8 +9,8 @@ import types
 
 import torch
 
-from services.heartbeat import Heartbeat, HeartbeatWatch
-from services.supervisor import Child, restart_set
+from pagedserve.services.heartbeat import Heartbeat, HeartbeatWatch
+from pagedserve.services.supervisor import Child, restart_set
 
 
 def watch_for(watch: HeartbeatWatch, seconds: float, tick=None) -> None:
@@ -51,9 +51,9 @@ def test_a_silent_peer_is_stuck_only_after_it_answered_once(tmp_path):
 
 
 def test_a_step_ticks_once_per_decoder_layer(tiny_llama):
-    from services.worker.model_loader import load_model
-    from services.worker.service import WorkerService
-    from services.worker.tp import SINGLE
+    from pagedserve.services.worker.model_loader import load_model
+    from pagedserve.services.worker.service import WorkerService
+    from pagedserve.services.worker.tp import SINGLE
 
     model, spec = load_model(tiny_llama, torch.float32, "cpu", SINGLE)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.pool import BlockPool, unique_pool_name
-from kvstore.replay import RecordingStore
-from kvstore.service import KVStoreService
-from kvstore.store import BlockStore
-from services import protocol
+from pagedserve.kvstore.pool import BlockPool, unique_pool_name
+from pagedserve.kvstore.replay import RecordingStore
+from pagedserve.kvstore.service import KVStoreService
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services import protocol
 from tests import test_replay
 
 B, BLOCK_BYTES, TP = 4, 16, 2
@@ -179,7 +179,7 @@ def test_a_tier_smaller_than_the_pool_leaves_swapping_the_rest(pools):
 def test_the_scheduler_waits_for_the_kvstore_when_its_mirror_demoted_or_promoted():
     """A pool-less mirror counts the copies its replica will make; a log with any must be replayed
     before the worker writes the step (a demoted block is handed out in it), so it 'moves bytes'."""
-    from services.scheduler.service import _moves_bytes
+    from pagedserve.services.scheduler.service import _moves_bytes
     mirror = RecordingStore(BlockStore(8, 8, B, host_cache_blocks=8))
     mirror.allocate(1, list(range(13)))
     mirror.mark_computed(1, 13)
@@ -324,9 +324,9 @@ def test_a_snapshot_of_another_shape_is_refused_and_changes_nothing():
 # ---- greedy output with blocks that went to the host and back -----------------------------------
 
 def test_greedy_output_equals_transformers_after_a_host_round_trip(tiny_llama):
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.sampling_params import SamplingParams
     from tests.test_exactness import hf_greedy
     shared = "class BlockAllocator:\n    def __init__(self, num_blocks):\n        self.free = list(range(num_blocks))\n"
     others = [f"# file {i}: " + " ".join(f"word{i}_{j}" for j in range(40)) for i in range(3)]

@@ -23,8 +23,8 @@ import msgpack
 import pytest
 import zmq
 
-from services import protocol
-from services.curve import MAX_FRAME_BYTES, CurveKeys, make_keys
+from pagedserve.services import protocol
+from pagedserve.services.curve import MAX_FRAME_BYTES, CurveKeys, make_keys
 from router_fakes import free_port
 
 PASSWORD = "s3cret-pw"
@@ -32,7 +32,7 @@ PASSWORD = "s3cret-pw"
 
 def spawn(log: Path, *argv: str, env: dict | None = None) -> subprocess.Popen:
     environ = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_CURVE_KEYS"}
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.services.cli", *argv], stdout=subprocess.DEVNULL,
                             stderr=log.open("w"), env={**environ, **(env or {})})
 
 
@@ -67,7 +67,7 @@ def keys(tmp_path_factory) -> dict[str, CurveKeys]:
 
 class Replica:
     def __init__(self, model: str, keys: CurveKeys, redis_port: int, logs: Path):
-        from services.worker.model_loader import inspect_model_dir
+        from pagedserve.services.worker.model_loader import inspect_model_dir
         import torch
         _, spec = inspect_model_dir(model)
         self.model = model
@@ -266,9 +266,9 @@ def test_a_network_address_without_keys_refuses_to_start(tmp_path):
 
 def test_the_scheduler_and_the_worker_refuse_before_waiting_for_peers_or_loading(tiny_llama, monkeypatch):
     """The same check, in-process: each fails before it waits for its peers or loads a model."""
-    from services.curve import InsecureEndpoint
-    from services.scheduler import service as sservice
-    from services.worker import service as wservice
+    from pagedserve.services.curve import InsecureEndpoint
+    from pagedserve.services.scheduler import service as sservice
+    from pagedserve.services.worker import service as wservice
     monkeypatch.delenv("PAGEDSERVE_CURVE_KEYS", raising=False)
     endpoint = f"tcp://0.0.0.0:{free_port()}"
     with pytest.raises(InsecureEndpoint, match="refusing to listen"):
@@ -278,7 +278,7 @@ def test_the_scheduler_and_the_worker_refuse_before_waiting_for_peers_or_loading
 
 
 def test_a_wrong_redis_password_fails_start_up_without_printing_it(tiny_llama, redis_with_password, capsys):
-    from services.router import service as rservice
+    from pagedserve.services.router import service as rservice
     url = f"redis://:not-{PASSWORD}@127.0.0.1:{redis_with_password}/0"
     config = rservice.Config(model=tiny_llama, port=free_port(), scheduler_endpoint=None, redis_url=url)
     assert rservice.run(config) == 1
@@ -291,7 +291,7 @@ def test_the_routers_scheduler_client_skips_garbage_and_keeps_listening(caplog):
     next real update still reaches its request."""
     import asyncio
     import zmq.asyncio
-    from services.router.scheduler_client import SchedulerClient
+    from pagedserve.services.router.scheduler_client import SchedulerClient
 
     async def scenario():
         ctx = zmq.asyncio.Context()

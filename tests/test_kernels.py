@@ -21,8 +21,8 @@ import importlib  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402  (never imports triton_ops by itself)
-from kernels import reference  # noqa: E402
+from pagedserve.kernels import ops  # noqa: E402  (never imports triton_ops by itself)
+from pagedserve.kernels import reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_LAYERS = 2
@@ -32,16 +32,16 @@ GARBAGE = 50.0  # scale of the junk left in unused cache slots: any read of it s
 
 @pytest.fixture(scope="module")
 def triton_ops():
-    """kernels.triton_ops with every Triton function it reaches decorated for the interpreter.
+    """pagedserve.kernels.triton_ops with every Triton function it reaches decorated for the interpreter.
 
     @triton.jit picks interpreted or compiled when it decorates. If some earlier import (another
     test module; importing a transformers Llama model imports triton) decorated triton's own
     library (tl.max, tl.sum, ...) or our kernels before TRITON_INTERPRET was set, they would need a
     GPU driver: re-wrap triton's library functions for this module's tests, then reload our kernels.
     """
-    ops = importlib.import_module("kernels.triton_ops")
+    triton_module = importlib.import_module("pagedserve.kernels.triton_ops")
     if torch.cuda.is_available():
-        yield ops
+        yield triton_module
         return
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
@@ -53,9 +53,9 @@ def triton_ops():
             if isinstance(fn, JITFunction):
                 replaced.append((module, name, fn))
                 setattr(module, name, InterpretedFunction(fn.fn))
-    if not isinstance(ops._paged_decode_kernel, InterpretedFunction):
-        ops = importlib.reload(ops)
-    yield ops
+    if not isinstance(triton_module._paged_decode_kernel, InterpretedFunction):
+        triton_module = importlib.reload(triton_module)
+    yield triton_module
     for module, name, fn in replaced:
         setattr(module, name, fn)
 
@@ -130,7 +130,7 @@ class PagedCase:
         self.max_query_len = max(q_lens)
 
     def paged(self, impl):
-        return kernels.paged_attention(
+        return ops.paged_attention(
             self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens_t,
             self.query_start_loc, self.scale, self.max_query_len, impl=impl)
 
@@ -184,7 +184,7 @@ def test_reference_decode_matches_contiguous(block_size, num_kv_heads):
     case = PagedCase(seq_lens=seq_lens, q_lens=[1] * len(seq_lens), block_size=block_size,
                      num_q_heads=8, num_kv_heads=num_kv_heads, head_dim=32,
                      dtype=torch.float32, seed=num_kv_heads)
-    out = kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+    out = ops.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                          case.seq_lens_t, case.scale, impl="reference")
     assert_close(out, case.contiguous(), torch.float32)
     # paged_attention with one query per sequence is the same computation
@@ -225,8 +225,8 @@ def test_cpu_kernel_matches_reference(kind, dtype, group, head_dim):
     assert case.block_tables[1, 0] == case.block_tables[0, 0]   # a block shared by two tables
     if kind == "decode":
         args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
-        out = kernels.paged_decode_attention(*args, impl="cpu")
-        assert_close(out, kernels.paged_decode_attention(*args, impl="reference"), dtype)
+        out = ops.paged_decode_attention(*args, impl="cpu")
+        assert_close(out, ops.paged_decode_attention(*args, impl="reference"), dtype)
         assert_close(case.paged("cpu"), out, dtype)   # the ragged entry point agrees on decode rows
     else:
         out = case.paged("cpu")
@@ -258,7 +258,7 @@ def test_cpu_kernel_takes_strided_queries_and_an_empty_batch():
     vars(strided).update(vars(case), q=qkv[:, 0])
     assert not strided.q.is_contiguous()
     assert_close(strided.paged("cpu"), case.paged("reference"), torch.float32)
-    empty = kernels.paged_decode_attention(case.q[:0], case.k_cache, case.v_cache,
+    empty = ops.paged_decode_attention(case.q[:0], case.k_cache, case.v_cache,
                                            case.block_tables[:0], case.seq_lens_t[:0], case.scale,
                                            impl="cpu")
     assert empty.shape == (0, 4, 32)
@@ -271,21 +271,21 @@ def test_cpu_kernel_refuses_a_table_that_leaves_the_pool():
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
     case.block_tables[0, 2] = case.k_cache.shape[0]   # the last block sequence 0 reads
     with pytest.raises(RuntimeError, match="outside the pool"):
-        kernels.paged_decode_attention(*args, impl="cpu")
+        ops.paged_decode_attention(*args, impl="cpu")
     case.block_tables[0, 2] = -1
     with pytest.raises(RuntimeError, match="outside the pool"):
-        kernels.paged_decode_attention(*args, impl="cpu")
+        ops.paged_decode_attention(*args, impl="cpu")
     with pytest.raises(RuntimeError, match="needs 3 blocks"):
-        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables[:, :2],
+        ops.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables[:, :2],
                                        case.seq_lens_t, case.scale, impl="cpu")
 
 
 def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(monkeypatch, caplog):
-    from kernels import cpu_ops
+    from pagedserve.kernels import cpu_ops
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setattr(cpu_ops, "_state", {})   # as in a fresh process
     with caplog.at_level("WARNING", logger="pagedserve.kernels"):
-        assert kernels.resolve_impl(torch.zeros(1), None) == "reference"
+        assert ops.resolve_impl(torch.zeros(1), None) == "reference"
     assert "no C++ compiler" in caplog.text and "using the PyTorch reference" in caplog.text
     assert "no C++ compiler" in cpu_ops.unavailable_reason()
     case = PagedCase(seq_lens=[40, 9], q_lens=[3, 1], block_size=16, num_q_heads=4,
@@ -299,11 +299,11 @@ def test_cpu_kernel_build_is_cached_across_processes():
     """A second process loads the library the first built: it does not compile it again."""
     import subprocess
     import sys
-    from kernels import cpu_ops
+    from pagedserve.kernels import cpu_ops
     assert cpu_ops.available()
     library = cpu_ops.build_directory() / "pagedserve_cpu.so"
     before = library.stat().st_mtime_ns
-    code = "from kernels import cpu_ops; assert cpu_ops.available(), cpu_ops.unavailable_reason()"
+    code = "from pagedserve.kernels import cpu_ops; assert cpu_ops.available(), cpu_ops.unavailable_reason()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert library.stat().st_mtime_ns == before
@@ -348,8 +348,8 @@ def test_triton_decode_attention(triton_ops, block_size, dtype):
     case = PagedCase(seq_lens=seq_lens, q_lens=[1] * 3, block_size=block_size, num_q_heads=4,
                      num_kv_heads=2, head_dim=32, dtype=dtype, seed=block_size + 1)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
-    out = kernels.paged_decode_attention(*args, impl="triton")
-    assert_close(out, kernels.paged_decode_attention(*args, impl="reference"), dtype)
+    out = ops.paged_decode_attention(*args, impl="triton")
+    assert_close(out, ops.paged_decode_attention(*args, impl="reference"), dtype)
     assert_close(out, case.contiguous(), dtype)
 
 
@@ -439,7 +439,7 @@ def test_write_kv_cache(request, impl, block_size, dtype):
     qkv = torch.randn(len(slots), 3, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     key, value = qkv[:, 1], qkv[:, 2]  # [T, Hkv, D], stride(0) = 3 * Hkv * D
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
-    kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, impl=impl)
+    ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, impl=impl)
 
     expected = before.clone()
     kv = expected.view(dtype).view(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
@@ -459,7 +459,7 @@ def test_write_kv_cache_all_padding(request, impl):
     pool, k_cache, v_cache = make_pool(2, 8, 1, 16, torch.float32, gen)
     before = pool.clone()
     key = torch.randn(3, 1, 16, device=DEVICE)
-    kernels.write_kv_cache(key, key, k_cache, v_cache,
+    ops.write_kv_cache(key, key, k_cache, v_cache,
                            torch.full((3,), -1, dtype=torch.int64, device=DEVICE), impl=impl)
     assert torch.equal(pool, before)
 
@@ -476,7 +476,7 @@ def test_copy_blocks(request, impl, pool_dtype, row_shape):
     before = pool.clone()
     src = torch.tensor([0, 4, 4], dtype=torch.int64, device=DEVICE)
     dst = torch.tensor([6, 1, 2], dtype=torch.int64, device=DEVICE)
-    kernels.copy_blocks(pool, src, dst, impl=impl)
+    ops.copy_blocks(pool, src, dst, impl=impl)
     expected = before.clone()
     for s, d in zip(src.tolist(), dst.tolist()):
         expected[d] = before[s]
@@ -495,8 +495,8 @@ def test_reference_copy_blocks_reads_before_writing():
 
 def test_dispatch_picks_the_cpu_kernel_for_cpu_attention_and_rejects_unknown_impl():
     cpu = torch.zeros(1)
-    assert kernels.resolve_impl(cpu, None) == "cpu"   # the compiler is on every CI machine
-    assert kernels.resolve_impl(cpu, None, attention=False) == "reference"
-    assert kernels.resolve_impl(cpu, "triton") == "triton"
+    assert ops.resolve_impl(cpu, None) == "cpu"   # the compiler is on every CI machine
+    assert ops.resolve_impl(cpu, None, attention=False) == "reference"
+    assert ops.resolve_impl(cpu, "triton") == "triton"
     with pytest.raises(ValueError):
-        kernels.resolve_impl(cpu, "cuda")
+        ops.resolve_impl(cpu, "cuda")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.pool import BlockPool, copy_between, copy_within, unique_pool_name
+from pagedserve.kvstore.pool import BlockPool, copy_between, copy_within, unique_pool_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_separate_process_attaches_writes_and_exits_without_deleting(pool):
     # delete the segment at exit if attach() did not unregister it.
     child = textwrap.dedent(f"""
         import torch
-        from kvstore.pool import BlockPool
+        from pagedserve.kvstore.pool import BlockPool
         p = BlockPool.attach({pool.name!r}, 4, 16)
         p.blocks[2] = torch.arange(16, dtype=torch.uint8) + 100
         p.close()
@@ -113,7 +113,7 @@ def test_copy_within_and_between(pool):
 
 
 def test_swap_copies_go_as_runs_of_consecutive_blocks():
-    from kvstore.pool import _runs
+    from pagedserve.kvstore.pool import _runs
     assert _runs([(3, 7), (4, 8), (5, 9), (9, 1), (6, 10), (10, 2)]) == [(3, 7, 3), (9, 1, 1), (6, 10, 1),
                                                                         (10, 2, 1)]
     assert _runs([(0, 0)]) == [(0, 0, 1)]

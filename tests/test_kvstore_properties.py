@@ -16,7 +16,8 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvstore import BlockPool, BlockStore, unique_pool_name
+from pagedserve.kvstore.pool import BlockPool, unique_pool_name
+from pagedserve.kvstore.store import BlockStore
 
 B = 4
 SLOT = 4             # bytes of K/V per token slot in the test pools

@@ -14,11 +14,11 @@ import pytest
 import torch
 import zmq
 
-from kvstore import service
-from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
-from kvstore.replay import RecordingStore
-from kvstore.store import BlockStore
-from services import protocol
+from pagedserve.kvstore import service
+from pagedserve.kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
+from pagedserve.kvstore.replay import RecordingStore
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 B, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_BYTES, TP = 4, 32, 16, 8, 2
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 def start(endpoint: str, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "kvstore.service", "--endpoint", endpoint,
+    argv = [sys.executable, "-m", "pagedserve.kvstore.service", "--endpoint", endpoint,
             "--num-device-blocks", str(DEVICE_BLOCKS), "--num-host-blocks", str(HOST_BLOCKS),
             "--block-size", str(B), "--block-bytes", str(BLOCK_BYTES), "--tp-size", str(TP), *extra]
     # The caller's PYTHONPATH stays after the repository: `make gpu-check` brings packages in it.
@@ -270,7 +270,7 @@ def test_bad_flags_exit_nonzero_naming_the_flag(capsys):
 def test_every_pool_is_warmed_up_before_the_first_answer(monkeypatch):
     """The copy kernel's first compile must not happen inside the loop, under the scheduler's 5 s
     peer timeout: run() warms every device pool up before it answers anyone."""
-    from kvstore import pool as pool_module
+    from pagedserve.kvstore import pool as pool_module
     warmed, release = [], threading.Event()
 
     def slow_warm_up(pool):
@@ -301,7 +301,7 @@ def test_every_pool_is_warmed_up_before_the_first_answer(monkeypatch):
 
 
 def test_warm_up_copies_scratch_rows_of_the_pools_size_and_leaves_the_pool_alone(monkeypatch):
-    from kvstore import pool as pool_module
+    from pagedserve.kvstore import pool as pool_module
     seen = []
     real = pool_module.copy_blocks
     monkeypatch.setattr(pool_module, "copy_blocks",

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from kvstore import BlockPool, BlockStore, OrcaPolicy, unique_pool_name
+from pagedserve.kvstore.allocator import OrcaPolicy
+from pagedserve.kvstore.pool import BlockPool, unique_pool_name
+from pagedserve.kvstore.store import BlockStore
 
 B = 4          # tokens per block
 SLOT = 2       # bytes per token slot in the test pools

@@ -9,9 +9,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loadgen.client import Target, new_session, send
-from loadgen.scrape import Scraper, parse_metrics
-from loadgen.workload import PlannedRequest
+from pagedserve.loadgen.client import Target, new_session, send
+from pagedserve.loadgen.scrape import Scraper, parse_metrics
+from pagedserve.loadgen.workload import PlannedRequest
 
 TOKEN = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": " x"}]}
 USAGE = {"id": "c", "object": "text_completion", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}

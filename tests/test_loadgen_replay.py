@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.stack import Stack, free_port
+from pagedserve.loadgen.stack import Stack, free_port
 
-LOADGEN = [sys.executable, "-m", "loadgen.cli"]
+LOADGEN = [sys.executable, "-m", "pagedserve.loadgen.cli"]
 REPO = Path(__file__).resolve().parents[1]
 FILES = ("summary.json", "requests.jsonl", "metrics.jsonl", "report.md", "latency_cdf.png", "throughput.png",
          "server.png")
@@ -24,7 +24,7 @@ class FakeServer:
     def __init__(self, *flags: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "loadgen.fake_server", "--port", str(self.port), *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.loadgen.fake_server", "--port", str(self.port), *flags],
                                      stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert "fake server on" in self.proc.stdout.readline()
 

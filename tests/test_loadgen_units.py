@@ -9,15 +9,15 @@ import statistics
 
 import pytest
 
-from loadgen.client import RequestRecord
-from loadgen.config import ReplayConfig, SweepConfig, parse_goodput
-from loadgen.metrics import summarize, timeline
-from loadgen.scrape import parse_metrics
-from loadgen.sweep import auto_rates, sustained_rate
-from loadgen.traces import SHIPPED, Trace, TraceError, TraceRequest, load_trace
-from loadgen.workload import (Prompts, build_plan, fit_to_context, poisson_arrivals, prefix_cache_bound,
+from pagedserve.loadgen.client import RequestRecord
+from pagedserve.loadgen.config import ReplayConfig, SweepConfig, parse_goodput
+from pagedserve.loadgen.metrics import summarize, timeline
+from pagedserve.loadgen.scrape import parse_metrics
+from pagedserve.loadgen.sweep import auto_rates, sustained_rate
+from pagedserve.loadgen.traces import SHIPPED, Trace, TraceError, TraceRequest, load_trace
+from pagedserve.loadgen.workload import (Prompts, build_plan, fit_to_context, poisson_arrivals, prefix_cache_bound,
                               trace_arrivals)
-from services.flags import ConfigError, from_args
+from pagedserve.services.flags import ConfigError, from_args
 
 
 # ---- arrivals
@@ -234,7 +234,7 @@ def test_the_infinite_cache_bound_counts_chained_full_blocks_before_the_last_tok
 
 
 def test_the_prefix_cache_summary_takes_the_counters_over_the_run():
-    from loadgen.report import prefix_cache_of
+    from pagedserve.loadgen.report import prefix_cache_of
     samples = [{"prefix_cache_queries": 100.0, "prefix_cache_hits": 10.0, "external_prefix_cache_hits": 0.0},
                {"prefix_cache_queries": None, "prefix_cache_hits": None, "external_prefix_cache_hits": None},
                {"prefix_cache_queries": 1100.0, "prefix_cache_hits": 310.0, "external_prefix_cache_hits": 200.0}]
@@ -274,7 +274,7 @@ def test_text_prompts_tokenize_to_their_length_and_keep_blocks(tiny_llama, chat)
     """What the server sees (BOS, or the chat template around the message, included) has the planned
     length, and the trace's blocks start on the server's 16-token KV block boundaries: equal hash
     ids give equal KV blocks, the first different id a different one."""
-    from loadgen.text_prompts import TextCodec
+    from pagedserve.loadgen.text_prompts import TextCodec
     codec = TextCodec(tiny_llama, chat=chat)
     assert codec.offset >= 1 and codec.added >= codec.offset
     trace = _trace([(100, 4), (80, 4), (37, 4)], block=32, hashes=[[1, 2, 3, 4], [1, 2, 9], [1, 5]])
@@ -372,7 +372,7 @@ def test_auto_rates_spread_below_saturation():
 
 
 def test_flags_are_derived_and_checked(monkeypatch):
-    from loadgen.cli import parser
+    from pagedserve.loadgen.cli import parser
     args = parser().parse_args(["replay", "--rate", "4", "--percentiles", "50,95", "99",
                                 "--goodput", "ttft:500", "tpot:50", "--stream", "--max-concurrency", "none"])
     cfg = from_args(ReplayConfig, {k: v for k, v in vars(args).items() if k != "command"})
@@ -397,14 +397,14 @@ def test_flags_are_derived_and_checked(monkeypatch):
 
 
 def test_bad_flag_is_one_line_and_exit_2(capsys):
-    from loadgen.cli import main
+    from pagedserve.loadgen.cli import main
     assert main(["replay", "--rate", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--rate -1.0: must be > 0" in err
 
 
 def test_out_that_cannot_be_written_is_refused_before_sending(tmp_path, capsys):
-    from loadgen.cli import main
+    from pagedserve.loadgen.cli import main
     (tmp_path / "afile").write_text("")
     # Port 9 (discard): nothing is asked of it, the folder is checked first.
     assert main(["replay", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "afile")]) == 2
@@ -413,7 +413,7 @@ def test_out_that_cannot_be_written_is_refused_before_sending(tmp_path, capsys):
 
 
 def test_compare_names_a_folder_that_is_not_a_run(tmp_path, capsys):
-    from loadgen.cli import main
+    from pagedserve.loadgen.cli import main
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "summary.json").write_text("not json")
     (tmp_path / "half").mkdir()
@@ -425,7 +425,7 @@ def test_compare_names_a_folder_that_is_not_a_run(tmp_path, capsys):
 
 
 def test_the_seed_fixes_the_requests_whatever_their_count_rate_or_duration():
-    from loadgen.replay import Server, make_plan
+    from pagedserve.loadgen.replay import Server, make_plan
     server = Server("http://x", "m", 1024)
     plans = [make_plan(from_args(ReplayConfig, {}, trace="sharegpt", **kw), server) for kw in
              ({"num_requests": 3}, {"num_requests": 200}, {"rate": 1.0, "duration": 30.0}, {"rate": 50.0, "duration": 30.0})]
@@ -442,6 +442,6 @@ def test_a_users_text_too_long_for_the_context_is_dropped(tmp_path):
 
 
 def test_a_tokenizer_that_is_not_a_folder_is_one_line(tmp_path):
-    from loadgen.replay import ReplayError, Server, make_plan
+    from pagedserve.loadgen.replay import ReplayError, Server, make_plan
     with pytest.raises(ReplayError, match="no such folder"):
         make_plan(from_args(ReplayConfig, {}, tokenizer=str(tmp_path / "nope")), Server("http://x", "m", 1024))

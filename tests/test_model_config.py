@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from services import launcher
-from services.engine import Engine
-from services.engine_config import EngineConfig
-from services.worker.model_loader import ModelLoadError, inspect_model_dir, serving_dtype
+from pagedserve.services import launcher
+from pagedserve.services.engine import Engine
+from pagedserve.services.engine_config import EngineConfig
+from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir, serving_dtype
 
 
 def copy_with_config(src: str, dst, **changes) -> str:

@@ -9,14 +9,14 @@ import pytest
 import torch
 import zmq
 
-from kvstore import service as kvservice
-from kvstore import sizing
-from kvstore.client import KVStoreClient, KVStoreError
-from kvstore.sizing import PoolSizing, device_blocks_for
-from services import launcher, protocol
-from services.worker import service as wservice
-from services.worker.model_loader import load_model
-from services.worker.profile import profile_batch, warm_up_and_profile
+from pagedserve.kvstore import service as kvservice
+from pagedserve.kvstore import sizing
+from pagedserve.kvstore.client import KVStoreClient, KVStoreError
+from pagedserve.kvstore.sizing import PoolSizing, device_blocks_for
+from pagedserve.services import launcher, protocol
+from pagedserve.services.worker import service as wservice
+from pagedserve.services.worker.model_loader import load_model
+from pagedserve.services.worker.profile import profile_batch, warm_up_and_profile
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -135,7 +135,7 @@ class FakeMemory:
 
 @pytest.mark.parametrize("samples", [True, False])
 def test_profile_pass_runs_the_model_and_reports_the_peak_over_the_start(tiny_llama, monkeypatch, samples):
-    from services.worker import profile
+    from pagedserve.services.worker import profile
     model, spec = load_model(tiny_llama)
     ran = []
     real = profile.ModelRunner.execute
@@ -161,9 +161,9 @@ def test_up_refuses_a_utilization_outside_zero_to_one():
 def test_worker_profiles_then_reports_then_maps_the_pool(tiny_llama, monkeypatch):
     """The hand-over on the worker's side: load, profile, report the reserve, wait for PoolInfo,
     and only then map the pool (which a sizing kvstore has not made before the report)."""
-    from kvstore.pool import BlockPool, unique_pool_name
-    from services.worker.model_loader import inspect_model_dir
-    from services.worker.tp import SINGLE
+    from pagedserve.kvstore.pool import BlockPool, unique_pool_name
+    from pagedserve.services.worker.model_loader import inspect_model_dir
+    from pagedserve.services.worker.tp import SINGLE
     _, spec = inspect_model_dir(tiny_llama)
     block_bytes = spec.block_bytes(16, torch.float32)
     pool = BlockPool.create(unique_pool_name("order"), 8, block_bytes)

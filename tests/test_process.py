@@ -1,9 +1,9 @@
-"""services.process: the peer watch that notices a silent scheduler."""
+"""pagedserve.services.process: the peer watch that notices a silent scheduler."""
 from __future__ import annotations
 
 import logging
 
-from services.process import PeerWatch
+from pagedserve.services.process import PeerWatch
 
 
 def test_peer_watch_reports_silence_once_and_recovery(caplog):

@@ -1,10 +1,10 @@
-"""services.protocol: every message round-trips, and anything malformed is a ProtocolError."""
+"""pagedserve.services.protocol: every message round-trips, and anything malformed is a ProtocolError."""
 import msgpack
 import numpy as np
 import pytest
 
-from services import protocol
-from services.protocol import ProtocolError
+from pagedserve.services import protocol
+from pagedserve.services.protocol import ProtocolError
 
 
 def roundtrip(msg):

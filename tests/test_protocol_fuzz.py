@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from services import protocol
+from pagedserve.services import protocol
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

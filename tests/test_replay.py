@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from kvstore.pool import BlockPool, unique_pool_name
-from kvstore.replay import (OPS, RecordingStore, ReplayError, ReplicaDiverged, apply_ops,
+from pagedserve.kvstore.pool import BlockPool, unique_pool_name
+from pagedserve.kvstore.replay import (OPS, RecordingStore, ReplayError, ReplicaDiverged, apply_ops,
                             encode_result)
-from kvstore.store import AllocResult, AppendResult, BlockStore, SwapResult
+from pagedserve.kvstore.store import AllocResult, AppendResult, BlockStore, SwapResult
 
 B, DEVICE_BLOCKS, HOST_BLOCKS = 4, 24, 12
 
@@ -206,7 +206,7 @@ def test_a_replica_that_drifted_reports_where(pools):
 
 
 def test_the_scheduler_waits_for_the_kvstore_exactly_when_bytes_move():
-    from services.scheduler.service import _moves_bytes
+    from pagedserve.services.scheduler.service import _moves_bytes
     no_copy = [True, []]
     assert not _moves_bytes([["append_tokens", [1, 2], [5, 6]], ["append_slots", 3, [7]], ["free", 4]],
                             [no_copy, no_copy, None])
@@ -218,12 +218,12 @@ def test_the_scheduler_waits_for_the_kvstore_exactly_when_bytes_move():
 def test_a_request_id_that_comes_back_is_sampled_with_its_own_params():
     """A request finishes and is forgotten; a new one with the same id (a client's X-Request-Id)
     arrives before the next step: the worker must get and use the new params, not its cached old ones."""
-    from services import protocol
-    from services.sampling_params import SamplingParams
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from services.scheduler.stepper import WorkerView
-    from services.worker.step_inputs import StepInputs
-    from services.worker.worker_core import SampleResult
+    from pagedserve.services import protocol
+    from pagedserve.services.sampling_params import SamplingParams
+    from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.services.scheduler.stepper import WorkerView
+    from pagedserve.services.worker.step_inputs import StepInputs
+    from pagedserve.services.worker.worker_core import SampleResult
     store = RecordingStore(BlockStore(64, 0, 16))
     core = Scheduler(SchedulerConfig(max_model_len=512, vocab_size=1000), store, clock=lambda: 0.0)
     view, worker = WorkerView(), StepInputs()

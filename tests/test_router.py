@@ -8,17 +8,17 @@ import httpx
 import pytest
 
 from router_fakes import FakeScheduler, RouterServer
-from services import protocol
-from services.router.app import create_app
-from services.router.service import Config
-from services.state import MemoryState
+from pagedserve.services import protocol
+from pagedserve.services.router.app import create_app
+from pagedserve.services.router.service import Config
+from pagedserve.services.state import MemoryState
 
 SCRIPT_TEXT = "Hello wörld € The quick brown fox jumps over the lazy dog. "
 
 
 @pytest.fixture(scope="module")
 def info(tiny_llama):
-    from services.router.model_info import load_model_info
+    from pagedserve.services.router.model_info import load_model_info
     return load_model_info(tiny_llama)
 
 

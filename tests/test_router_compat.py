@@ -9,11 +9,11 @@ import httpx
 import pytest
 
 from router_fakes import RouterServer
-from services import protocol
-from services.router.app import create_app
-from services.router.openai_schema import ChatCompletionRequest, CompletionRequest
-from services.router.service import Config
-from services.state import MemoryState
+from pagedserve.services import protocol
+from pagedserve.services.router.app import create_app
+from pagedserve.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.services.router.service import Config
+from pagedserve.services.state import MemoryState
 # The router and its fake scheduler are test_router's fixtures (fresh instances for this module).
 from test_router import client, fake, info, router, script  # noqa: F401
 from test_router import assert_error, expected_text, stream_events, stream_text
@@ -229,7 +229,7 @@ def test_add_special_tokens(client, fake, info):
 
 
 def test_the_stop_string_limit_is_configurable(info, fake):
-    from services.router.service import add_arguments, config_from_args
+    from pagedserve.services.router.service import add_arguments, config_from_args
     import argparse
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -267,7 +267,7 @@ def test_developer_messages_join_the_leading_system_message(client, fake, info, 
 # ---- what else vLLM clients expect -------------------------------------------------------------------
 
 def test_version_ping_and_cors(client):
-    from services.router.app import server_version
+    from pagedserve.services.router.app import server_version
     assert client.get("/version").json() == {"version": server_version()} and server_version() != "unknown"
     assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
     # vLLM's defaults: every method and header, but no origin (cross-origin browser access is off).
@@ -292,8 +292,8 @@ def test_cors_allows_what_the_flags_allow(info, fake):
 
 def test_cors_flags_reach_the_router_through_pagedserve_up(info, fake, tmp_path):
     import argparse
-    from services import launcher
-    from services.router.service import add_arguments, config_from_args
+    from pagedserve.services import launcher
+    from pagedserve.services.router.service import add_arguments, config_from_args
     p = argparse.ArgumentParser()
     launcher.add_arguments(p)
     flags = ["--allowed-origins", '["http://ok.example"]', "--allowed-methods", '["GET", "POST"]',
@@ -318,7 +318,7 @@ def test_cors_flags_reach_the_router_through_pagedserve_up(info, fake, tmp_path)
 
 
 def test_system_fingerprint_everywhere(client):
-    from services.router.app import server_version
+    from pagedserve.services.router.app import server_version
     fp = f"pagedserve-{server_version()}"
     for path, body in [("/v1/completions", {"prompt": "x", "max_tokens": 2}),
                        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})]:

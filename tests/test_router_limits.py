@@ -9,18 +9,18 @@ import httpx
 import pytest
 
 from router_fakes import FakeScheduler, RouterServer
-from services import protocol
-from services.router.app import create_app
-from services.router.guard import Guard
-from services.router.service import Config
-from services.state import MemoryState
+from pagedserve.services import protocol
+from pagedserve.services.router.app import create_app
+from pagedserve.services.router.guard import Guard
+from pagedserve.services.router.service import Config
+from pagedserve.services.state import MemoryState
 
 BODY = {"prompt": "hello", "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def info(tiny_llama):
-    from services.router.model_info import load_model_info
+    from pagedserve.services.router.model_info import load_model_info
     return load_model_info(tiny_llama)
 
 
@@ -76,7 +76,7 @@ def test_rate_limit_per_key_gives_429_with_retry_after(info, fake):
 def test_key_comparison_checks_every_key():
     """Constant time: a match on the first key and on the last cost the same comparisons."""
     compared = []
-    import services.router.guard as guard_module
+    import pagedserve.services.router.guard as guard_module
 
     class Counting:
         @staticmethod
@@ -179,7 +179,7 @@ def test_request_timeout_aborts_and_answers_504(info, fake):
 def test_request_timeout_counts_the_constraints_compile(info, fake):
     """The timer used to start after the compile: a 5 s compile under --request-timeout 3 ended
     after 8 s. The compile goes on for the cache (shielded): the next request finds it done."""
-    from services.guided.cache import CompileCache
+    from pagedserve.services.guided.cache import CompileCache
 
     class SlowBackend:
         def compile(self, constraint):

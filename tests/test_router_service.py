@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from router_fakes import free_port
-from services.router import service
+from pagedserve.services.router import service
 
 
 def _config(*argv):
@@ -38,7 +38,7 @@ def test_config_from_flags_and_validation():
 
 def test_the_process_serves_and_exits_0_on_sigterm(tiny_llama):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.router.service", "--model", tiny_llama,
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.services.router.service", "--model", tiny_llama,
                              "--port", str(port), "--scheduler-endpoint", "tcp://127.0.0.1:1",
                              "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -61,6 +61,6 @@ def test_the_process_serves_and_exits_0_on_sigterm(tiny_llama):
 
 
 def test_a_bad_model_folder_is_one_line_and_exit_1(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "services.router.service", "--model", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.services.router.service", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,16 +9,16 @@ import httpx
 import pytest
 
 from router_fakes import FakeScheduler, RouterServer
-from services import protocol
-from services.router.app import create_app
-from services.router.service import Config
-from services.state import MemoryState, RedisState
+from pagedserve.services import protocol
+from pagedserve.services.router.app import create_app
+from pagedserve.services.router.service import Config
+from pagedserve.services.state import MemoryState, RedisState
 from test_state import REDIS_URL, redis_available
 
 
 @pytest.fixture(scope="module")
 def info(tiny_llama):
-    from services.router.model_info import load_model_info
+    from pagedserve.services.router.model_info import load_model_info
     return load_model_info(tiny_llama)
 
 

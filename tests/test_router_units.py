@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from services.router.detokenizer import IncrementalDetokenizer, TokenTexts, fast_decoder
-from services.router.replicas import pick_replica, prefix_key
-from services.router.stop_strings import StopStrings
-from services.state import Replica
+from pagedserve.services.router.detokenizer import IncrementalDetokenizer, TokenTexts, fast_decoder
+from pagedserve.services.router.replicas import pick_replica, prefix_key
+from pagedserve.services.router.stop_strings import StopStrings
+from pagedserve.services.state import Replica
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +124,8 @@ def test_pick_replica_prefers_the_cached_prefix_while_loads_are_close():
 
 def test_a_buffered_subscriber_gets_one_merged_update_at_the_end():
     import asyncio
-    from services import protocol
-    from services.router.scheduler_client import Buffered, SchedulerClient
+    from pagedserve.services import protocol
+    from pagedserve.services.router.scheduler_client import Buffered, SchedulerClient
     client = SchedulerClient("tcp://127.0.0.1:1", "r0", ctx=None)
     queue: asyncio.Queue = asyncio.Queue()
     client.subscribe("a", queue, buffered=True)
@@ -152,8 +152,8 @@ def test_a_buffered_subscriber_gets_one_merged_update_at_the_end():
 
 def test_errors_reach_a_buffered_subscriber_at_once():
     import asyncio
-    from services import protocol
-    from services.router.scheduler_client import SchedulerClient
+    from pagedserve.services import protocol
+    from pagedserve.services.router.scheduler_client import SchedulerClient
     client = SchedulerClient("tcp://127.0.0.1:1", "r0", ctx=None)
     queue: asyncio.Queue = asyncio.Queue()
     client.subscribe("a", queue, buffered=True)
@@ -164,8 +164,8 @@ def test_errors_reach_a_buffered_subscriber_at_once():
 
 def test_a_dead_scheduler_fails_buffered_subscribers_and_forgets_their_updates():
     import asyncio
-    from services import protocol
-    from services.router.scheduler_client import Failure, SchedulerClient
+    from pagedserve.services import protocol
+    from pagedserve.services.router.scheduler_client import Failure, SchedulerClient
     client = SchedulerClient("tcp://127.0.0.1:1", "r0", ctx=None)
     queue: asyncio.Queue = asyncio.Queue()
     client.subscribe("a", queue, buffered=True)
@@ -177,12 +177,12 @@ def test_a_dead_scheduler_fails_buffered_subscribers_and_forgets_their_updates()
 def test_updates_that_queued_up_come_out_as_one_batch_and_a_failure_after_them(tokenizer):
     import asyncio
     from types import SimpleNamespace
-    from services import protocol
-    from services.router.errors import APIError
-    from services.router.generation import Generation
-    from services.router.scheduler_client import Failure
-    from services.sampling_params import SamplingParams
-    from services.router.metrics import RouterMetrics
+    from pagedserve.services import protocol
+    from pagedserve.services.router.errors import APIError
+    from pagedserve.services.router.generation import Generation
+    from pagedserve.services.router.scheduler_client import Failure
+    from pagedserve.services.sampling_params import SamplingParams
+    from pagedserve.services.router.metrics import RouterMetrics
     ctx = SimpleNamespace(info=SimpleNamespace(eos_token_ids=[]), decode=tokenizer.decode, metrics=RouterMetrics("m"))
     gen = Generation(ctx, "a", [[5, 6]], SamplingParams(max_tokens=8))
     gen.abort = gen.close = lambda *a: None        # no backend: nothing to abort or record
@@ -215,8 +215,8 @@ def test_text_of_the_first_min_tokens_can_start_a_stop_string_but_not_end_one():
 
 
 def test_stop_reason_is_the_stop_token_id_and_its_text_shows_only_when_asked(tokenizer):
-    from services import protocol
-    from services.router.choices import ChoiceState
+    from pagedserve.services import protocol
+    from pagedserve.services.router.choices import ChoiceState
     ids = tokenizer.encode("one two", add_special_tokens=False)
     for include in (False, True):
         choice = ChoiceState(0, IncrementalDetokenizer(tokenizer.decode, [5], True), StopStrings([], include),

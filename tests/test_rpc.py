@@ -1,4 +1,4 @@
-"""services.rpc: answers, deadlines, and a peer that dies mid-question failing at once."""
+"""pagedserve.services.rpc: answers, deadlines, and a peer that dies mid-question failing at once."""
 from __future__ import annotations
 
 import subprocess
@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from services import protocol
-from services.rpc import PeerTimeout, RpcClient
+from pagedserve.services import protocol
+from pagedserve.services.rpc import PeerTimeout, RpcClient
 
 PEER = textwrap.dedent("""
     import sys, zmq
-    from services import protocol
+    from pagedserve.services import protocol
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind(sys.argv[1])
     print("up", flush=True)
@@ -64,7 +64,7 @@ def test_peer_dying_mid_question_fails_at_once(peer):
 def test_a_malformed_reply_is_bad_reply_and_the_next_call_pairs_up(peer):
     """A peer that answers with garbage: BadReply (a PeerTimeout, so callers treat the peer as
     broken, never a ProtocolError escaping their loop), and the socket is rebuilt."""
-    from services.rpc import BadReply
+    from pagedserve.services.rpc import BadReply
     client = RpcClient(peer, timeout_s=5)
     with pytest.raises(BadReply, match="malformed"):
         client.call(protocol.Ping("garbage"))

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams
-from services.worker.sampler import (SamplingRow, compute_logprobs, derive_row_seed, sample,
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.worker.sampler import (SamplingRow, compute_logprobs, derive_row_seed, sample,
                                      top_logprobs)
 
 V = 64
@@ -295,7 +295,7 @@ def _reference_keep(logits_row, top_k, top_p):
 def test_top_k_top_p_masks_match_a_per_row_full_sort():
     # V > the sampler's probe width (1024), so a flat top-p row must fall back to a full sort
     # while a peaked one finds its nucleus among the best tokens.
-    from services.worker.sampler import _apply_top_k_top_p
+    from pagedserve.services.worker.sampler import _apply_top_k_top_p
 
     vocab = 3000
     cases = [(0.5, 0, 0.9), (4.0, 0, 0.9), (4.0, 50, 0.8), (1.0, 2000, 0.95), (2.0, 10, 1.0),

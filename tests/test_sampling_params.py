@@ -7,7 +7,7 @@ import sys
 import msgpack
 import pytest
 
-from services.sampling_params import SamplingParams, SamplingParamsError
+from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_defaults_match_vllm_and_validate():
@@ -167,7 +167,7 @@ def test_from_dict_validates():
 
 def test_module_does_not_import_torch():
     # The router and the scheduler import it: keep torch (4 s to import) out of their start-up.
-    code = "import sys, services.sampling_params; assert 'torch' not in sys.modules"
+    code = "import sys, pagedserve.services.sampling_params; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

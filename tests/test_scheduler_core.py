@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 
-from kvstore.block_table import HOST
-from kvstore.store import BlockStore
-from services.sampling_params import SamplingParams
-from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.steps import SampleResult
+from pagedserve.kvstore.block_table import HOST
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.scheduler.request import RequestStatus
+from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedserve.services.steps import SampleResult
 
 B = 4
 
@@ -52,7 +52,7 @@ def test_the_core_imports_without_torch():
                 if name == "torch" or name.startswith("torch."):
                     raise ImportError("torch is blocked")
         sys.meta_path.insert(0, NoTorch())
-        import services.scheduler.scheduler
+        import pagedserve.services.scheduler.scheduler
         assert "torch" not in sys.modules
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -142,7 +142,7 @@ def test_parallel_samples_share_the_prompts_blocks():
 def test_the_final_update_carries_vllms_phases_on_the_engines_clock():
     """Queued until admitted, prefill to the first token, decode to the last; a preempted request
     counts its preemptions and keeps its first admission time."""
-    from services.scheduler.stepper import RouterView
+    from pagedserve.services.scheduler.stepper import RouterView
     sched, clock = make(max_num_seqs=1)
     sched.add_request("a", list(range(6)), params(3))
     sched.add_request("b", list(range(6)), params(2))   # waits while a runs (one sequence at a time)

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from kvstore import service as kvstore_service
-from services import launcher
-from services.cli import main
-from services.engine_config import EngineConfig
-from services.flags import ConfigError, from_args
-from services.process import OneLineParser
-from services.router import service as router_service
-from services.router.options import API_KEY_ENV
-from services.scheduler import service as scheduler_service
-from services.worker import service as worker_service
+from pagedserve.kvstore import service as kvstore_service
+from pagedserve.services import launcher
+from pagedserve.services.cli import main
+from pagedserve.services.engine_config import EngineConfig
+from pagedserve.services.flags import ConfigError, from_args
+from pagedserve.services.process import OneLineParser
+from pagedserve.services.router import service as router_service
+from pagedserve.services.router.options import API_KEY_ENV
+from pagedserve.services.scheduler import service as scheduler_service
+from pagedserve.services.worker import service as worker_service
 
 VLLM_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--dtype", "--block-size",
               "--swap-space", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
@@ -125,7 +125,7 @@ def test_every_setting_is_a_flag_with_help(cls):
         if "help" in f.metadata:
             assert f.metadata["help"], f.name
     parser = argparse.ArgumentParser()
-    from services.flags import add_flags
+    from pagedserve.services.flags import add_flags
     add_flags(parser, cls)      # no clash between a field's flag and another's alias
 
 
@@ -183,10 +183,10 @@ def test_the_host_tier_is_the_swap_space_unless_kv_offloading_size_says_less(tmp
 
 
 def test_each_process_refuses_a_bad_flag_in_one_line():
-    for module, argv, needle in [("services.router.service", ["--model", "m", "--port", "-1"], "--port"),
-                                 ("services.scheduler.service", ["--model", "m", "--max-num-seqs", "0"], "--max-num-seqs"),
-                                 ("kvstore.service", ["--block-size", "3", "--block-bytes", "8"], "--block-size"),
-                                 ("services.worker.service", ["--model", "m", "--block-size", "3"], "--block-size")]:
+    for module, argv, needle in [("pagedserve.services.router.service", ["--model", "m", "--port", "-1"], "--port"),
+                                 ("pagedserve.services.scheduler.service", ["--model", "m", "--max-num-seqs", "0"], "--max-num-seqs"),
+                                 ("pagedserve.kvstore.service", ["--block-size", "3", "--block-bytes", "8"], "--block-size"),
+                                 ("pagedserve.services.worker.service", ["--model", "m", "--block-size", "3"], "--block-size")]:
         r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (module, r.stderr)
@@ -195,7 +195,7 @@ def test_each_process_refuses_a_bad_flag_in_one_line():
 def test_a_context_longer_than_the_models_is_refused_before_anything_starts(tiny_llama):
     """vLLM refuses it; cutting it quietly would serve a context the operator did not ask for."""
     from router_fakes import free_port
-    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", tiny_llama, "--max-model-len", "999999",
+    r = subprocess.run([sys.executable, "-m", "pagedserve.services.cli", "serve", tiny_llama, "--max-model-len", "999999",
                         "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--max-model-len 999999" in lines[0], r.stderr

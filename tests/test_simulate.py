@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from loadgen.config import SimulateConfig
-from loadgen.cost_model import PRESETS, CostModel, Hardware, ModelShape, Preset
-from loadgen.simulate import simulate, summary_of, write_outputs
-from services.scheduler import scheduler as scheduler_core
+from pagedserve.loadgen.config import SimulateConfig
+from pagedserve.loadgen.cost_model import PRESETS, CostModel, Hardware, ModelShape, Preset
+from pagedserve.loadgen.simulate import simulate, summary_of, write_outputs
+from pagedserve.services.scheduler import scheduler as scheduler_core
 
 
 def test_step_time_worked_by_hand():
@@ -86,19 +86,19 @@ def test_a_change_in_the_scheduler_core_changes_the_simulation(monkeypatch):
 
 def test_cli_writes_the_summary(tmp_path):
     out = tmp_path / "sim"
-    r = subprocess.run([sys.executable, "-m", "loadgen.cli", "simulate", "--trace", "alpaca", "--rate", "20",
+    r = subprocess.run([sys.executable, "-m", "pagedserve.loadgen.cli", "simulate", "--trace", "alpaca", "--rate", "20",
                         "--num-requests", "50", "--allocation", "orca-pow2", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "summary.json").read_text())["completed"] == 50
-    bad = subprocess.run([sys.executable, "-m", "loadgen.cli", "simulate", "--preset", "custom"],
+    bad = subprocess.run([sys.executable, "-m", "pagedserve.loadgen.cli", "simulate", "--preset", "custom"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--model-config" in bad.stderr
 
 
 def test_paper_writes_every_requested_figure_with_the_papers_beside_ours(tmp_path):
-    from loadgen.config import PaperConfig
-    from loadgen.paper import PAPER, paper
+    from pagedserve.loadgen.config import PaperConfig
+    from pagedserve.loadgen.paper import PAPER, paper
     report = paper(PaperConfig(out=str(tmp_path), num_requests=20, jobs=1, figures=["2", "13", "16"], plots=True))
     text = (tmp_path / "paper.md").read_text()
     for heading in ("## Fig. 2", "## Fig. 13", "## Fig. 16"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.soak import soak
+from pagedserve.loadgen.soak import soak
 from tests.test_stack import REDIS_URL, redis_available
 
 

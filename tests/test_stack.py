@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadgen.stack import Stack, alive
+from pagedserve.loadgen.stack import Stack, alive
 
 # A database of its own per pytest-xdist worker: the routers of one stack pick among every
 # replica registered there, and a stack of another test file must not be among them.
@@ -260,9 +260,9 @@ def test_orca_stack_reserves_true_lengths_and_reports_the_kv_split(tiny_llama):
 def test_preemption_across_processes(tiny_llama):
     """A tiny device pool, swap mode: many concurrent requests, same greedy output as the engine
     without pressure; /v1/kv shows the swaps; stopping leaves no process and no shared memory."""
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.sampling_params import SamplingParams
     with Engine(EngineConfig(model=tiny_llama, num_device_blocks=512)) as engine:
         expected = [o.outputs[0].text for o in engine.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))]
     s = Stack(tiny_llama, "--num-device-blocks", "10", "--preemption-mode", "swap", "--max-num-seqs", "8")
@@ -299,7 +299,7 @@ def test_preemption_across_processes(tiny_llama):
 def test_scheduler_with_unreachable_kvstore_exits_with_cause(tiny_llama):
     import subprocess
     import sys
-    res = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", "--model", tiny_llama,
+    res = subprocess.run([sys.executable, "-m", "pagedserve.services.cli", "scheduler", "--model", tiny_llama,
                           "--endpoint", "ipc:///tmp/pagedserve-test-sched.sock",
                           "--kvstore-endpoint", "tcp://127.0.0.1:9", "--startup-timeout", "2"],
                          capture_output=True, text=True, timeout=120)
@@ -311,8 +311,8 @@ def test_launcher_reports_the_failed_process_and_stops_the_others(tiny_llama):
     in one line; the launcher names the first to go and leaves nothing behind."""
     import subprocess
     import sys
-    from loadgen.stack import children_of, free_port
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_llama,
+    from pagedserve.loadgen.stack import children_of, free_port
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.services.cli", "up", "--model", tiny_llama,
                              "--port", str(free_port()), "--redis-url", "redis://127.0.0.1:1/0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
@@ -382,9 +382,9 @@ def test_mixed_load_under_pressure_leaves_pool_empty(tiny_llama):
 
 def test_tensor_parallel_stack_matches_engine(tiny_llama):
     """`pagedserve up --tensor-parallel 2`: two worker ranks (gloo) serve the engine's greedy text."""
-    from services.engine import Engine
-    from services.engine_config import EngineConfig
-    from services.sampling_params import SamplingParams
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.engine_config import EngineConfig
+    from pagedserve.services.sampling_params import SamplingParams
     with Engine(EngineConfig(model=tiny_llama, num_device_blocks=128)) as engine:
         expected = [o.outputs[0].text for o in engine.generate(PROMPTS[:3], SamplingParams(max_tokens=16, temperature=0))]
     s = Stack(tiny_llama, "--tensor-parallel", "2", "--num-device-blocks", "128")
@@ -446,7 +446,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack, tiny_l
     import shutil
     import subprocess
     import httpx
-    from loadgen.stack import free_port
+    from pagedserve.loadgen.stack import free_port
     binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
     if binary is None:
         pytest.skip("no prometheus binary (Debian's `prometheus` package; .ci/run installs it)")

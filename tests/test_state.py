@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from services.state import MemoryState, RedisState, Replica
+from pagedserve.services.state import MemoryState, RedisState, Replica
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -123,7 +123,7 @@ def test_the_scheduler_keeps_its_lease_through_a_pause_and_a_state_outage():
     """A lease that lapsed (the scheduler was paused past its TTL) is registered again; a state store
     that is down is logged, and the scheduler goes on (it used to die on Redis's ConnectionError)."""
     from types import SimpleNamespace
-    from services.scheduler.service import SchedulerService
+    from pagedserve.services.scheduler.service import SchedulerService
     clock = FakeClock()
     state = MemoryState(clock=clock)
     svc = SimpleNamespace(state=state, model_name="m", owner={},

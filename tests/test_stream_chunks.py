@@ -10,13 +10,13 @@ import math
 import httpx
 import pytest
 
-from loadgen.stack import Stack
+from pagedserve.loadgen.stack import Stack
 from router_fakes import FakeScheduler, RouterServer
-from services.router.app import create_app
-from services.router.choices import ChoiceEvent
-from services.router.pacing import StreamPacer, merge_by_choice
-from services.router.service import Config
-from services.state import MemoryState
+from pagedserve.services.router.app import create_app
+from pagedserve.services.router.choices import ChoiceEvent
+from pagedserve.services.router.pacing import StreamPacer, merge_by_choice
+from pagedserve.services.router.service import Config
+from pagedserve.services.state import MemoryState
 
 # Byte-level BPE pieces of "€" (E2 82 AC), lifted so that the greedy output holds tokens that are
 # part of a character: their text is "" until the character completes (if it ever does).
@@ -129,7 +129,7 @@ def test_a_quiet_server_merges_nothing(stack):
 
 @pytest.fixture(scope="module")
 def info(tiny_llama):
-    from services.router.model_info import load_model_info
+    from pagedserve.services.router.model_info import load_model_info
     return load_model_info(tiny_llama)
 
 

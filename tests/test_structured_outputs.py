@@ -15,7 +15,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from loadgen.stack import Stack
+from pagedserve.loadgen.stack import Stack
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "home"],
           "properties": {

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadgen.stack import Stack, alive, children_of
+from pagedserve.loadgen.stack import Stack, alive, children_of
 from tests.test_stack import REDIS_URL, redis_available
 
 HANG_S = 3.0
@@ -128,26 +128,26 @@ def assert_failed_cleanly(stream: LongStream, hit: float, within_s: float) -> No
 
 
 def test_a_killed_worker_is_restarted_and_the_replica_serves_again(stack):
-    stream, old, hit = fault_then_recover(stack, "services.worker.service", signal.SIGKILL)
+    stream, old, hit = fault_then_recover(stack, "pagedserve.services.worker.service", signal.SIGKILL)
     assert_failed_cleanly(stream, hit, 3)
     wait_ready(stack.url)
-    assert one_pid(stack, "services.worker.service") != old
+    assert one_pid(stack, "pagedserve.services.worker.service") != old
     assert complete(stack) == stack.expected
 
 
 def test_a_killed_kvstore_restarts_the_workers_on_its_new_pools(stack):
-    kv_old = one_pid(stack, "kvstore.service")
-    stream, worker_old, hit = fault_then_recover(stack, "kvstore.service", signal.SIGKILL)
+    kv_old = one_pid(stack, "pagedserve.kvstore.service")
+    stream, worker_old, hit = fault_then_recover(stack, "pagedserve.kvstore.service", signal.SIGKILL)
     assert_failed_cleanly(stream, hit, 3)
     wait_ready(stack.url)
-    assert one_pid(stack, "services.worker.service") != worker_old   # not left on the old pool
-    assert one_pid(stack, "kvstore.service") != kv_old
+    assert one_pid(stack, "pagedserve.services.worker.service") != worker_old   # not left on the old pool
+    assert one_pid(stack, "pagedserve.kvstore.service") != kv_old
     assert not glob.glob(f"/dev/shm/pagedserve-{kv_old}-*")          # the dead one's pools are gone
     assert complete(stack) == stack.expected
 
 
 def test_a_stuck_worker_is_noticed_by_its_heartbeat_and_replaced(stack):
-    stream, old, hit = fault_then_recover(stack, "services.worker.service", signal.SIGSTOP)
+    stream, old, hit = fault_then_recover(stack, "pagedserve.services.worker.service", signal.SIGSTOP)
     try:
         assert_failed_cleanly(stream, hit, HANG_S + 3)   # not the 120 s step timeout
         deadline = time.monotonic() + HANG_S + 5
@@ -164,7 +164,7 @@ def test_a_stuck_worker_is_noticed_by_its_heartbeat_and_replaced(stack):
 
 
 def test_a_killed_scheduler_fails_its_requests_at_once_and_comes_back(stack):
-    stream, _, hit = fault_then_recover(stack, "services.scheduler.service", signal.SIGKILL)
+    stream, _, hit = fault_then_recover(stack, "pagedserve.services.scheduler.service", signal.SIGKILL)
     assert_failed_cleanly(stream, hit, 2)      # the routers see the connection drop
     wait_ready(stack.url)
     assert complete(stack) == stack.expected
@@ -187,10 +187,10 @@ def test_a_restarted_scheduler_finds_the_prefixes_cached_before_it_died(stack):
     first = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
     assert first.status_code == 200, first.text
     hits = metric(stack.url, "vllm:prefix_cache_hits_total")
-    pid = one_pid(stack, "services.scheduler.service")
+    pid = one_pid(stack, "pagedserve.services.scheduler.service")
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while one_pid_or_none(stack, "services.scheduler.service") in (None, pid):
+    while one_pid_or_none(stack, "pagedserve.services.scheduler.service") in (None, pid):
         assert time.monotonic() < deadline, "the scheduler was not restarted"
         time.sleep(0.2)
     wait_ready(stack.url)
@@ -214,7 +214,7 @@ def one_pid_or_none(stack: Stack, module: str) -> int | None:
 
 def test_a_killed_router_is_restarted_while_the_other_serves(stack):
     wait_ready(stack.urls[1])
-    routers = role_pids(stack, "services.router.service")
+    routers = role_pids(stack, "pagedserve.services.router.service")
     victim = next(p for p in routers if f"--port\0{stack.port + 1}\0".encode()
                   in Path(f"/proc/{p}/cmdline").read_bytes())
     os.kill(victim, signal.SIGKILL)
@@ -232,7 +232,7 @@ def leftovers(stack: Stack, descendants: list[int], kv_pids: list[int], run_dir:
 
 
 def run_dir_of(stack: Stack) -> str:
-    argv = Path(f"/proc/{one_pid(stack, 'kvstore.service')}/cmdline").read_bytes().decode().split("\0")
+    argv = Path(f"/proc/{one_pid(stack, 'pagedserve.kvstore.service')}/cmdline").read_bytes().decode().split("\0")
     return os.path.dirname(argv[argv.index("--endpoint") + 1].removeprefix("ipc://"))
 
 
@@ -241,7 +241,7 @@ def test_sigterm_drains_then_leaves_nothing_behind(tiny_llama):
     s.model = tiny_llama
     stream = LongStream(s, max_tokens=300)
     stream.wait_flowing()
-    descendants, kv, run_dir = children_of(s.proc.pid), [one_pid(s, "kvstore.service")], run_dir_of(s)
+    descendants, kv, run_dir = children_of(s.proc.pid), [one_pid(s, "pagedserve.kvstore.service")], run_dir_of(s)
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     r = httpx.post(s.url + "/v1/completions", json={"model": tiny_llama, "prompt": "x", "max_tokens": 2}, timeout=30)
@@ -258,7 +258,7 @@ def test_sigterm_with_timeout_zero_ends_running_requests_within_a_second(stack):
     wait_ready(stack.url)
     stream = LongStream(stack)
     stream.wait_flowing()
-    descendants, kv, run_dir = children_of(stack.proc.pid), [one_pid(stack, "kvstore.service")], run_dir_of(stack)
+    descendants, kv, run_dir = children_of(stack.proc.pid), [one_pid(stack, "pagedserve.kvstore.service")], run_dir_of(stack)
     stack.proc.send_signal(signal.SIGTERM)
     hit = time.monotonic()
     assert_failed_cleanly(stream, hit, 1.0)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.store import BlockStore
-from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model
-from services.worker.model_runner import ModelRunner, SeqStep
-from services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, kv_heads_per_rank
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model
+from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
+from pagedserve.services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, kv_heads_per_rank
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -75,7 +75,7 @@ def biased_model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 
 
 def _rank_main(rank: int, size: int, init_method: str, model_dirs: dict, results) -> None:
-    from services.worker.tp import close_tensor_parallel, init_tensor_parallel
+    from pagedserve.services.worker.tp import close_tensor_parallel, init_tensor_parallel
     torch.set_num_threads(1)   # two ranks on a 2-core box
     tp = init_tensor_parallel(rank, size, init_method, timeout_s=60)
     try:

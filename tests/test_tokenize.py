@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from services import protocol
+from pagedserve.services import protocol
 from test_router import assert_error, client, fake, info, router, script  # noqa: F401
 from test_router_limits import _router
 

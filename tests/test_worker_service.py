@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient
-from kvstore.replay import RecordingStore
-from kvstore.store import BlockStore
-from services import protocol
-from services.engine import Engine
-from services.engine_config import EngineConfig
-from services.rpc import PeerTimeout, RpcClient
-from services.sampling_params import SamplingParams
-from services.worker.model_loader import inspect_model_dir
+from pagedserve.kvstore.client import KVStoreClient
+from pagedserve.kvstore.replay import RecordingStore
+from pagedserve.kvstore.store import BlockStore
+from pagedserve.services import protocol
+from pagedserve.services.engine import Engine
+from pagedserve.services.engine_config import EngineConfig
+from pagedserve.services.rpc import PeerTimeout, RpcClient
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.worker.model_loader import inspect_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 B, NUM_BLOCKS = 16, 64
@@ -48,14 +48,14 @@ def spawn(module: str, *args: str) -> subprocess.Popen:
 
 
 def start_kvstore(endpoint: str, block_bytes: int, tp_size: int) -> subprocess.Popen:
-    return spawn("kvstore.service", "--endpoint", endpoint, "--num-device-blocks", str(NUM_BLOCKS),
+    return spawn("pagedserve.kvstore.service", "--endpoint", endpoint, "--num-device-blocks", str(NUM_BLOCKS),
                  "--num-host-blocks", "0", "--block-size", str(B), "--block-bytes", str(block_bytes),
                  "--tp-size", str(tp_size), "--log-level", "WARNING")
 
 
 def start_worker(model: str, endpoint: str, kvstore: str, rank: int = 0, tp_size: int = 1,
                  dist_init: str = "", *extra: str) -> subprocess.Popen:
-    return spawn("services.worker.service", "--model", model, "--endpoint", endpoint,
+    return spawn("pagedserve.services.worker.service", "--model", model, "--endpoint", endpoint,
                  "--kvstore-endpoint", kvstore, "--rank", str(rank), "--tp-size", str(tp_size),
                  "--dist-init", dist_init or "tcp://127.0.0.1:1", "--block-size", str(B),
                  "--torch-threads", "1", "--kvstore-timeout", "60", *extra)
@@ -242,7 +242,7 @@ def test_rank0_killed_leaves_no_orphan(tiny_llama):
 # ---- the step state alone (no processes) ---------------------------------------------------------
 
 def test_step_inputs_apply_table_deltas_and_params():
-    from services.worker.step_inputs import StepError, StepInputs
+    from pagedserve.services.worker.step_inputs import StepError, StepInputs
     inputs = StepInputs()
     p = SamplingParams(temperature=0.0, min_tokens=3).to_dict()
     msg = protocol.ExecuteStep(1, [protocol.SeqWork(7, [5, 6], 0, [[7, "k", 0, 0, 2], [8, "k", 1, 0, 2]])],
@@ -267,7 +267,7 @@ def test_step_inputs_apply_table_deltas_and_params():
 
 
 def test_step_inputs_need_histories_for_penalties():
-    from services.worker.step_inputs import StepError, StepInputs
+    from pagedserve.services.worker.step_inputs import StepError, StepInputs
     inputs = StepInputs()
     pen = SamplingParams(repetition_penalty=1.3).to_dict()
     work = protocol.SeqWork(1, [5], 3, [[1, "pen", 0, 0, 1]])
@@ -285,7 +285,7 @@ def test_step_inputs_need_histories_for_penalties():
 def test_step_inputs_refuse_ids_outside_the_pool_and_the_vocabulary():
     """A negative block id would wrap around into another sequence's blocks; each of these is a
     StepError (the step fails, the worker and its pool stay as they were)."""
-    from services.worker.step_inputs import StepError, StepInputs
+    from pagedserve.services.worker.step_inputs import StepError, StepInputs
     inputs = StepInputs(num_blocks=8, vocab_size=100)
     p = SamplingParams(temperature=0.0).to_dict()
     inputs.apply_deltas(protocol.ExecuteStep(1, [], table_updates={1: [0, 2, 3]}, new_params={"k": p}))

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from services.guided import spec as specs
+from pagedserve.services.guided import spec as specs
 
 DEFAULT_CAPACITY = 256
 

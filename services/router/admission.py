@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from services.router.errors import APIError, unavailable
+from pagedserve.services.router.errors import APIError, unavailable
 
 
 class Admission:

@@ -26,22 +26,22 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.router.admission import Admission, Ticket
-from services.guided.backends import make_backend
-from services.guided.cache import CompileCache
-from services.curve import SocketGuard
-from services.router.chat import create_chat_completion
-from services.router.completions import create_completion
-from services.router.detokenizer import TokenTexts, fast_decoder
-from services.router.errors import APIError, bad_request, error_body
-from services.router.guard import Guard
-from services.router.metrics import CONTENT_TYPE, RouterMetrics
-from services.router.model_info import ModelInfo
-from services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from pagedserve.services.router.admission import Admission, Ticket
+from pagedserve.services.guided.backends import make_backend
+from pagedserve.services.guided.cache import CompileCache
+from pagedserve.services.curve import SocketGuard
+from pagedserve.services.router.chat import create_chat_completion
+from pagedserve.services.router.completions import create_completion
+from pagedserve.services.router.detokenizer import TokenTexts, fast_decoder
+from pagedserve.services.router.errors import APIError, bad_request, error_body
+from pagedserve.services.router.guard import Guard
+from pagedserve.services.router.metrics import CONTENT_TYPE, RouterMetrics
+from pagedserve.services.router.model_info import ModelInfo
+from pagedserve.services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, openapi_body, validation_error)
-from services.router.replicas import Backends
-from services.router.tokenization import detokenize, tokenize
-from services.state import StateStore
+from pagedserve.services.router.replicas import Backends
+from pagedserve.services.router.tokenization import detokenize, tokenize
+from pagedserve.services.state import StateStore
 
 log = logging.getLogger("pagedserve.router")
 

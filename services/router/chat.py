@@ -4,19 +4,19 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from services.router.choices import ChoiceEvent
-from services.router.errors import bad_request
-from services.router.generation import Generation
-from services.guided import spec as specs
-from services.router.constraints import constraint_of
-from services.router.constraints import check as check_constraint
-from services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, parse_body, sampling_params
-from services.router.tools import ToolCallStream, ToolPlan, tool_plan
-from services.router.responses import best_choices, prompt_logprobs_json, respond, usage
-from services.sampling_params import MAX_LOGPROBS
+from pagedserve.services.router.choices import ChoiceEvent
+from pagedserve.services.router.errors import bad_request
+from pagedserve.services.router.generation import Generation
+from pagedserve.services.guided import spec as specs
+from pagedserve.services.router.constraints import constraint_of
+from pagedserve.services.router.constraints import check as check_constraint
+from pagedserve.services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, parse_body, sampling_params
+from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
+from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
+from pagedserve.services.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
-    from services.router.app import RouterContext
+    from pagedserve.services.router.app import RouterContext
 
 
 async def create_chat_completion(ctx: "RouterContext", request):

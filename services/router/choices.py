@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.protocol import CompletionDelta
-from services.router.detokenizer import IncrementalDetokenizer
-from services.router.stop_strings import StopStrings
+from pagedserve.services.protocol import CompletionDelta
+from pagedserve.services.router.detokenizer import IncrementalDetokenizer
+from pagedserve.services.router.stop_strings import StopStrings
 
 
 @dataclass

@@ -4,16 +4,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from services.router.choices import ChoiceEvent, ChoiceState
-from services.router.constraints import check as check_constraint
-from services.router.constraints import constraint_of
-from services.router.errors import bad_request
-from services.router.generation import Generation
-from services.router.openai_schema import CompletionRequest, parse_body, sampling_params
-from services.router.responses import best_choices, prompt_logprobs_json, respond, usage
+from pagedserve.services.router.choices import ChoiceEvent, ChoiceState
+from pagedserve.services.router.constraints import check as check_constraint
+from pagedserve.services.router.constraints import constraint_of
+from pagedserve.services.router.errors import bad_request
+from pagedserve.services.router.generation import Generation
+from pagedserve.services.router.openai_schema import CompletionRequest, parse_body, sampling_params
+from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 
 if TYPE_CHECKING:
-    from services.router.app import RouterContext
+    from pagedserve.services.router.app import RouterContext
 
 
 async def create_completion(ctx: "RouterContext", request):

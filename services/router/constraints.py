@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.guided import spec as specs
-from services.guided.backends import GrammarError
-from services.router.errors import APIError, bad_request
+from pagedserve.services.guided import spec as specs
+from pagedserve.services.guided.backends import GrammarError
+from pagedserve.services.router.errors import APIError, bad_request
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM's structured_outputs keys this server does not serve: a 400, not a silently ignored constraint.

@@ -12,19 +12,19 @@ import secrets
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services import protocol
-from services.router.choices import ChoiceEvent, ChoiceState
-from services.router.detokenizer import IncrementalDetokenizer
-from services.router.errors import APIError
-from services.router.metrics import FinishedRequest
-from services.router.pacing import BEHIND_UPDATES, StreamPacer
-from services.router.scheduler_client import Buffered, Failure, SchedulerUnavailable
-from services.router.stop_strings import StopStrings
-from services.sampling_params import SamplingParams
+from pagedserve.services import protocol
+from pagedserve.services.router.choices import ChoiceEvent, ChoiceState
+from pagedserve.services.router.detokenizer import IncrementalDetokenizer
+from pagedserve.services.router.errors import APIError
+from pagedserve.services.router.metrics import FinishedRequest
+from pagedserve.services.router.pacing import BEHIND_UPDATES, StreamPacer
+from pagedserve.services.router.scheduler_client import Buffered, Failure, SchedulerUnavailable
+from pagedserve.services.router.stop_strings import StopStrings
+from pagedserve.services.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from services.router.admission import Ticket
-    from services.router.app import RouterContext
+    from pagedserve.services.router.admission import Ticket
+    from pagedserve.services.router.app import RouterContext
 
 log = logging.getLogger("pagedserve.router")
 

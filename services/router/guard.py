@@ -18,7 +18,7 @@ import hmac
 import json
 import logging
 
-from services.router.errors import error_body
+from pagedserve.services.router.errors import error_body
 
 log = logging.getLogger("pagedserve.router")
 

@@ -33,7 +33,7 @@ def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelIn
     """Raises services.worker.model_loader.ModelLoadError for a folder that cannot be served."""
     from transformers import AutoTokenizer
 
-    from services.worker.model_loader import ModelLoadError, context_length, inspect_model_dir
+    from pagedserve.services.worker.model_loader import ModelLoadError, context_length, inspect_model_dir
 
     _, spec = inspect_model_dir(model_dir)
     try:

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.router.errors import APIError, bad_request
-from services.sampling_params import SamplingParams, SamplingParamsError
+from pagedserve.services.router.errors import APIError, bad_request
+from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
 
 
 class _Strict(BaseModel):

@@ -10,10 +10,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from services import config_fields as cf
-from services.config_fields import at_least, positive
-from services.flags import opt
-from services.guided.spec import BACKENDS, DEFAULT_BACKEND
+from pagedserve.services import config_fields as cf
+from pagedserve.services.config_fields import at_least, positive
+from pagedserve.services.flags import opt
+from pagedserve.services.guided.spec import BACKENDS, DEFAULT_BACKEND
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
@@ -74,7 +74,7 @@ class RouterOptions:
 
 def passed_down(config: RouterOptions) -> tuple[list[str], dict[str, str]]:
     """(flags, environment) that give a router these settings of `config`."""
-    from services.flags import to_argv
+    from pagedserve.services.flags import to_argv
     names = [f.name for f in dataclasses.fields(RouterOptions) if f.name != "api_keys"]
     env = {API_KEY_ENV: ",".join(config.api_keys)} if config.api_keys else {}
     return to_argv(config, names), env

@@ -11,7 +11,7 @@ when, and the tokens merged so are counted (pagedserve:stream_merged_tokens_tota
 """
 from __future__ import annotations
 
-from services.router.choices import ChoiceEvent
+from pagedserve.services.router.choices import ChoiceEvent
 
 # Updates queued for one stream beyond which the router counts as behind it. On a quiet server a
 # stream has one, at times two, queued when its task wakes; several means its client or the

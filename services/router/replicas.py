@@ -13,10 +13,10 @@ import struct
 
 import zmq.asyncio
 
-from services.curve import SocketGuard
-from services.router.errors import unavailable
-from services.router.scheduler_client import SchedulerClient
-from services.state import Replica, StateStore
+from pagedserve.services.curve import SocketGuard
+from pagedserve.services.router.errors import unavailable
+from pagedserve.services.router.scheduler_client import SchedulerClient
+from pagedserve.services.state import Replica, StateStore
 
 AFFINITY_BLOCK_TOKENS = 16
 

@@ -12,9 +12,9 @@ from typing import Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.router.choices import ChoiceEvent
-from services.router.errors import APIError
-from services.router.generation import ClientDisconnected, Generation, watch_disconnect
+from pagedserve.services.router.choices import ChoiceEvent
+from pagedserve.services.router.errors import APIError
+from pagedserve.services.router.generation import ClientDisconnected, Generation, watch_disconnect
 
 DONE = "data: [DONE]\n\n"
 

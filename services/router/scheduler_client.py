@@ -21,8 +21,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from services import protocol
-from services.curve import SocketGuard
+from pagedserve.services import protocol
+from pagedserve.services.curve import SocketGuard
 
 log = logging.getLogger("pagedserve.router")
 

@@ -1,6 +1,6 @@
 """The router process: Config, flags, and run() serving the app with uvicorn until SIGTERM/SIGINT.
 
-    python -m services.router.service --model DIR [--port 8000] [--scheduler-endpoint EP]
+    python -m pagedserve.services.router.service --model DIR [--port 8000] [--scheduler-endpoint EP]
                                       [--redis-url URL] [--router-id ID] [--require-api-key]
 
 With --scheduler-endpoint the router talks to that scheduler; without it, it needs --redis-url and
@@ -20,12 +20,12 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from services import config_fields as cf
-from services.config_fields import positive
-from services.flags import add_flags, check_config, from_args, opt
-from services.curve import KeysError
-from services.router.options import RouterOptions
-from services.state import redact_url
+from pagedserve.services import config_fields as cf
+from pagedserve.services.config_fields import positive
+from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.curve import KeysError
+from pagedserve.services.router.options import RouterOptions
+from pagedserve.services.state import redact_url
 
 log = logging.getLogger("pagedserve.router")
 
@@ -79,9 +79,9 @@ def config_from_args(args) -> Config:
 
 def build_app(config: Config, state=None):
     """The app for this config (loads the tokenizer; the state defaults to what the config says)."""
-    from services.router.app import create_app
-    from services.router.model_info import load_model_info
-    from services.state import make_state
+    from pagedserve.services.router.app import create_app
+    from pagedserve.services.router.model_info import load_model_info
+    from pagedserve.services.state import make_state
 
     info = load_model_info(config.model, config.max_model_len)
     if state is None:
@@ -132,7 +132,7 @@ def run(config: Config) -> int:
     """Serve until SIGTERM/SIGINT (uvicorn handles both and drains); returns the exit code."""
     import uvicorn
 
-    from services.worker.model_loader import ModelLoadError
+    from pagedserve.services.worker.model_loader import ModelLoadError
 
     logging.basicConfig(level=config.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     try:   # a taken port fails here, in one line, before the model loads and the app starts
@@ -169,7 +169,7 @@ def run(config: Config) -> int:
 
 
 def main(argv=None) -> int:
-    from services.process import service_main
+    from pagedserve.services.process import service_main
     return service_main("router", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
 
 

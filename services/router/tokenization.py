@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.router.chat import messages_size, render_prompt
-from services.router.errors import bad_request
-from services.router.openai_schema import DetokenizeRequest, TokenizeRequest, parse_body
+from pagedserve.services.router.chat import messages_size, render_prompt
+from pagedserve.services.router.errors import bad_request
+from pagedserve.services.router.openai_schema import DetokenizeRequest, TokenizeRequest, parse_body
 
 if TYPE_CHECKING:
-    from services.router.app import RouterContext
+    from pagedserve.services.router.app import RouterContext
 
 
 async def tokenize(ctx: "RouterContext", request) -> dict:

@@ -15,7 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from services.router.errors import bad_request
+from pagedserve.services.router.errors import bad_request
 
 ANY_ARGUMENTS = {"type": "object"}
 

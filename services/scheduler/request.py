@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.sampling_params import SamplingParams
+from pagedserve.services.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

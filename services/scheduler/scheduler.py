@@ -25,11 +25,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from services.sampling_params import SamplingParams
-from services.scheduler.beam_search import BeamSearch
-from services.scheduler.kv_usage import KVUsageMeter
-from services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
-from services.steps import SampleRequest, SampleResult, SeqStep
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.scheduler.beam_search import BeamSearch
+from pagedserve.services.scheduler.kv_usage import KVUsageMeter
+from pagedserve.services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
+from pagedserve.services.steps import SampleRequest, SampleResult, SeqStep
 
 
 @dataclass

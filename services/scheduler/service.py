@@ -18,20 +18,20 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvstore.client import KVStoreClient, KVStoreError
-from services import config_fields as cf, protocol
-from services.config_fields import positive
-from services.flags import add_flags, check_config, from_args, opt
-from services.heartbeat import Heartbeat, HeartbeatWatch
-from services.curve import InsecureEndpoint, KeysError, SocketGuard
-from services.process import on_stop_signals, service_main
-from services.rpc import PeerTimeout, RpcClient
-from services.state import redact_url
-from services.sampling_params import SamplingParams, SamplingParamsError
-from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
-from services.scheduler.exporter import ExporterElection
-from services.scheduler.step_stats import StepStats
-from services.scheduler.stepper import RouterView, WorkerView
+from pagedserve.kvstore.client import KVStoreClient, KVStoreError
+from pagedserve.services import config_fields as cf, protocol
+from pagedserve.services.config_fields import positive
+from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.heartbeat import Heartbeat, HeartbeatWatch
+from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
+from pagedserve.services.process import on_stop_signals, service_main
+from pagedserve.services.rpc import PeerTimeout, RpcClient
+from pagedserve.services.state import redact_url
+from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
+from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from pagedserve.services.scheduler.exporter import ExporterElection
+from pagedserve.services.scheduler.step_stats import StepStats
+from pagedserve.services.scheduler.stepper import RouterView, WorkerView
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -88,7 +88,7 @@ LEASE_S = 5.0   # the replica's lease in the shared state, renewed every heartbe
 
 class SchedulerService:
     def __init__(self, config: Config):
-        from services.worker.model_loader import context_length, inspect_model_dir
+        from pagedserve.services.worker.model_loader import context_length, inspect_model_dir
 
         self.config = config
         _, spec = inspect_model_dir(config.model)
@@ -181,7 +181,7 @@ class SchedulerService:
     def _register(self):
         if not self.config.redis_url:
             return None
-        from services.state import RedisState
+        from pagedserve.services.state import RedisState
         state = RedisState(self.config.redis_url)
         self._register_replica(state, {"model": self.model_name})
         return state
@@ -369,9 +369,9 @@ class SchedulerService:
     def _new_mirror(self, snapshot: protocol.StoreSnapshot | None = None):
         """The scheduler's bookkeeping-only copy of the kvstore's BlockStore: empty, or the state
         of the kvstore's store (a resume)."""
-        from kvstore.replay import RecordingStore
-        from kvstore.allocator import make_policy
-        from kvstore.store import BlockStore
+        from pagedserve.kvstore.replay import RecordingStore
+        from pagedserve.kvstore.allocator import make_policy
+        from pagedserve.kvstore.store import BlockStore
         info = self.pool_info
         mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
                                            enable_prefix_caching=info.enable_prefix_caching,

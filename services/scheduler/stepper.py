@@ -5,9 +5,9 @@ has not cached, and the tokens each router has not been sent yet. Owned by the s
 """
 from __future__ import annotations
 
-from services import protocol
-from services.scheduler.request import FINISHED, Request
-from services.scheduler.scheduler import ScheduledStep
+from pagedserve.services import protocol
+from pagedserve.services.scheduler.request import FINISHED, Request
+from pagedserve.services.scheduler.scheduler import ScheduledStep
 
 
 

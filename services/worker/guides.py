@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.guided.backends import GrammarError, bitmask_width, make_backend
-from services.guided.cache import DEFAULT_CAPACITY, CompileCache
-from services.steps import SampleRequest
+from pagedserve.services.guided.backends import GrammarError, bitmask_width, make_backend
+from pagedserve.services.guided.cache import DEFAULT_CAPACITY, CompileCache
+from pagedserve.services.steps import SampleRequest
 
 log = logging.getLogger("pagedserve.worker")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.limits import check_attention_shape
-from services.config_fields import DTYPES
-from services.worker.models import MODEL_REGISTRY
-from services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, read_shard
+from pagedserve.kernels.limits import check_attention_shape
+from pagedserve.services.config_fields import DTYPES
+from pagedserve.services.worker.models import MODEL_REGISTRY
+from pagedserve.services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, read_shard
 
 
 class ModelLoadError(Exception):
@@ -117,7 +117,7 @@ def inspect_model_dir(model_dir: str | Path):
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
-    from services.worker.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+    from pagedserve.services.worker.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
     rope_type = rope_type_of(cfg)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         # dynamic and longrope change every position's rotation with the sequence's length, which

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from services.steps import SeqStep  # noqa: F401  (re-exported: the worker's callers import it here)
-from services.worker.attn_metadata import AttentionMetadata
-from services.worker.model_loader import ModelSpec
+from pagedserve.services.steps import SeqStep  # noqa: F401  (re-exported: the worker's callers import it here)
+from pagedserve.services.worker.attn_metadata import AttentionMetadata
+from pagedserve.services.worker.model_loader import ModelSpec
 
 
 PROMPT_LOGPROB_ROWS = 128   # prompt positions scored per lm_head call

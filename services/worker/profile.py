@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.device import on_device
-from services.sampling_params import SamplingParams
-from services.worker.model_runner import ModelRunner, SeqStep
-from services.worker.worker_core import SampleRequest, WorkerCore
+from pagedserve.kernels.device import on_device
+from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
+from pagedserve.services.worker.worker_core import SampleRequest, WorkerCore
 
 # The heaviest sampling path: sorting for top-p, a top-k cut, logprobs.
 PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, logprobs=5)

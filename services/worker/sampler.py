@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.sampling_params import SamplingParams
+from pagedserve.services.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _default_source: torch.Generator | None = None

@@ -38,25 +38,25 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
-from kvstore.cuda_sync import NoSync, StepSync
-from kvstore.sizing import WAITING
-from kvstore.pool import BlockPool
-from services import config_fields as cf, protocol
-from services.config_fields import at_least, positive
-from services.flags import add_flags, check_config, from_args, opt
-from services.heartbeat import Heartbeat
-from services.curve import InsecureEndpoint, KeysError, SocketGuard
-from services.process import answer_requests, on_stop_signals, service_main
-from services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
-from services.worker.model_runner import ModelRunner, SeqStep
-from services.worker.profile import warm_up_and_profile
-from services.worker.guides import Guides
-from services.worker.model_loader import load_tokenizer
-from services.worker.step_inputs import StepError, StepInputs
-from services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
+from pagedserve.kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
+from pagedserve.kvstore.cuda_sync import NoSync, StepSync
+from pagedserve.kvstore.sizing import WAITING
+from pagedserve.kvstore.pool import BlockPool
+from pagedserve.services import config_fields as cf, protocol
+from pagedserve.services.config_fields import at_least, positive
+from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.heartbeat import Heartbeat
+from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
+from pagedserve.services.process import answer_requests, on_stop_signals, service_main
+from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
+from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
+from pagedserve.services.worker.profile import warm_up_and_profile
+from pagedserve.services.worker.guides import Guides
+from pagedserve.services.worker.model_loader import load_tokenizer
+from pagedserve.services.worker.step_inputs import StepError, StepInputs
+from pagedserve.services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
                                 close_tensor_parallel, init_tensor_parallel)
-from services.worker.worker_core import SampleRequest, SampleResult, WorkerCore
+from pagedserve.services.worker.worker_core import SampleRequest, SampleResult, WorkerCore
 
 log = logging.getLogger("pagedserve.worker")
 

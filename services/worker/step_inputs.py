@@ -13,10 +13,10 @@ output count would allocate without bound. Such a step is a StepError, never a c
 """
 from __future__ import annotations
 
-from services.protocol import ExecuteStep
-from services.sampling_params import MAX_LOGPROBS, SamplingParams
-from services.worker.model_runner import SeqStep
-from services.worker.worker_core import SampleRequest
+from pagedserve.services.protocol import ExecuteStep
+from pagedserve.services.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.services.worker.model_runner import SeqStep
+from pagedserve.services.worker.worker_core import SampleRequest
 
 
 class StepError(ValueError):

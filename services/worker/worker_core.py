@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from services.steps import SampleRequest, SampleResult  # noqa: F401  (re-exported)
-from services.worker.model_runner import ModelRunner, SeqStep
-from services.worker.guides import Guides
-from services.worker.sampler import SamplingRow, sample, top_logprobs
+from pagedserve.services.steps import SampleRequest, SampleResult  # noqa: F401  (re-exported)
+from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
+from pagedserve.services.worker.guides import Guides
+from pagedserve.services.worker.sampler import SamplingRow, sample, top_logprobs
 
 
 class WorkerCore:

@@ -1,6 +1,6 @@
 """The project's own paged model implementations, keyed by the `architectures` name in config.json."""
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.opt import OPTForCausalLM
+from pagedserve.services.worker.models.llama import LlamaForCausalLM
+from pagedserve.services.worker.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

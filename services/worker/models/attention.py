@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from services.worker.attn_metadata import AttentionMetadata
+from pagedserve.kernels import ops
+from pagedserve.services.worker.attn_metadata import AttentionMetadata
 
 
 def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -12,8 +12,8 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: two [num_blocks, B, Hkv, D] views -> [T, Hq, D]."""
     k_cache, v_cache = kv_cache
-    kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
-        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-    return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, meta.max_query_len)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from services.worker.attn_metadata import AttentionMetadata
-from services.worker.models.attention import paged_attention_layer
-from services.worker.models.rope import RotaryEmbedding
-from services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
+from pagedserve.services.worker.attn_metadata import AttentionMetadata
+from pagedserve.services.worker.models.attention import paged_attention_layer
+from pagedserve.services.worker.models.rope import RotaryEmbedding
+from pagedserve.services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
                                 split)
 
 

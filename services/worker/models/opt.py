@@ -10,9 +10,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from services.worker.attn_metadata import AttentionMetadata
-from services.worker.models.attention import paged_attention_layer
-from services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
+from pagedserve.services.worker.attn_metadata import AttentionMetadata
+from pagedserve.services.worker.models.attention import paged_attention_layer
+from pagedserve.services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
                                 split)
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_ops, reference
+from pagedserve.kernels import cpu_ops, reference
 
 __all__ = ["write_kv_cache", "paged_attention", "paged_decode_attention", "copy_blocks",
            "resolve_impl"]
@@ -44,7 +44,7 @@ def _backend(tensor: torch.Tensor, impl: str | None, attention: bool = True) -> 
         return reference
     if chosen == "cpu":
         return cpu_ops
-    return importlib.import_module("kernels.triton_ops")
+    return importlib.import_module("pagedserve.kernels.triton_ops")
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

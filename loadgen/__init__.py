@@ -1,1 +1,0 @@
-"""Load generation and benchmarks: request-length distributions and the engine benchmarks."""
