@@ -100,15 +100,15 @@ def test_pip_install_beside_transformers_leaves_hugging_faces_kernels_intact(tmp
     python = str(venv / "bin" / "python")
     site = Path(run_python(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])",
                            tmp_path).stdout.strip())
-    # Hugging Face's kernels really installed there (in the same site-packages our wheel goes to);
-    # transformers and the rest reached through a .pth to this venv's site-packages.
+    # Hugging Face's kernels really installed there, in the same site-packages our wheel goes to.
     _copy_distribution(md.distribution("kernels"), site)
-    here = Path(md.distribution("transformers").locate_file(""))
-    (site / "this_venv.pth").write_text(f"{here}\n")
-
     r = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
                         "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    # transformers and the rest reached through a .pth to this venv's site-packages: written after
+    # the install, or pip would find this venv's own pagedserve there and install nothing.
+    here = Path(md.distribution("transformers").locate_file(""))
+    (site / "this_venv.pth").write_text(f"{here}\n")
     with zipfile.ZipFile(wheel) as z:
         tops = {name.split("/")[0] for name in z.namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"pagedserve"}
@@ -123,4 +123,4 @@ def test_pip_install_beside_transformers_leaves_hugging_faces_kernels_intact(tmp
             "print(pagedserve.__path__)\n")
     r = run_python(python, code, cwd=tmp_path)     # out of the checkout: the installed copy
     assert r.returncode == 0, r.stderr[-3000:]
-    assert str(ROOT) not in r.stdout and str(site) in r.stdout
+    assert r.stdout.strip() == str([str(site / "pagedserve")])
