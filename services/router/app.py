@@ -17,7 +17,6 @@ import logging
 import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -37,8 +36,10 @@ from pagedserve.services.router.errors import APIError, bad_request, error_body
 from pagedserve.services.router.guard import Guard
 from pagedserve.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from pagedserve.services.router.model_info import ModelInfo
+from pagedserve.services.router.offload import Offload
 from pagedserve.services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest, openapi_body, validation_error)
+                                           TokenizeRequest, openapi_body, parse_body,
+                                           validation_error)
 from pagedserve.services.router.replicas import Backends
 from pagedserve.services.router.tokenization import detokenize, tokenize
 from pagedserve.services.state import StateStore
@@ -75,7 +76,7 @@ class RouterContext:
         self.zmq_ctx: zmq.asyncio.Context | None = None
         # CURVE keys for the scheduler sockets (services/curve.py); KeysError here, at start-up.
         self.guard = SocketGuard.from_setting(config.curve_keys)
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.offload = Offload(config.offload_threads, config.offload_queue)
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
                                    on_reject=self.metrics.admission_rejected)
         self.grammar_cache = CompileCache(
@@ -91,7 +92,7 @@ class RouterContext:
         self.backends.start()
 
     async def stop(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.offload.close()
         self.grammar_cache.close()
         if self.backends is not None:
             await self.backends.close()
@@ -122,13 +123,21 @@ class RouterContext:
         if bad:
             raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {self.info.vocab_size})", param)
 
-    async def off_loop(self, fn, *args, size: int = 0):
-        """Run fn(*args) in a thread when size (characters to tokenize) is large: the tokenizer
-        releases the GIL, so the event loop keeps serving other requests and streams meanwhile."""
-        if size < 16384:
-            return fn(*args)
-        # One thread: long texts wait their turn instead of taking every core from the streams.
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+    async def read_json(self, request: Request, model):
+        """The request's body as `model`, and its size in bytes (what decides whether its later
+        work runs off the loop). JSON only: a text/plain or form POST is one a web page may send
+        cross-origin without a CORS preflight, so it is refused (415) before its body is read."""
+        kind = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
+                                f"got {kind or 'no Content-Type'}", "Content-Type")
+        raw = await request.body()
+        limits = {"messages": self.config.max_chat_messages}
+        return await self.off_loop(parse_body, raw, model, limits, size=len(raw)), len(raw)
+
+    async def off_loop(self, fn, *args, size: int):
+        """fn(*args), in the bounded pool when size (the body's bytes) is large (services/router/offload.py)."""
+        return await self.offload.run(fn, *args, size=size)
 
     def stream_interval(self, asked: int | None) -> int:
         """Tokens per streamed chunk: --stream-interval, raised (never lowered) by the request's own, as vLLM."""

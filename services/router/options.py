@@ -46,6 +46,14 @@ class RouterOptions:
                                               "started (503 with Retry-After beyond it)", check=at_least(1))
     max_request_body_mb: float = opt(16.0, "the largest request body in MiB (413 beyond it, before parsing)",
                                      check=positive)
+    # Work that grows with a body (parsing, chat templates, tokenizing) runs in a bounded pool, off
+    # the event loop (services/router/offload.py).
+    offload_threads: int = opt(1, "threads that parse, render and tokenize large request bodies off the "
+                                  "event loop", check=at_least(1))
+    offload_queue: int = opt(16, "large request bodies that may wait for an offload thread (503 with "
+                                 "Retry-After beyond it)", check=at_least(0))
+    max_chat_messages: int = opt(4096, "messages a chat request or /tokenize body may hold (400 beyond it, "
+                                       "before they are validated or rendered)", check=at_least(1))
     request_timeout_s: float | None = opt(None, "seconds a request may take in all; then it is aborted, its "
                                                 "blocks freed, and it ends with a 504", flag="--request-timeout",
                                           check=positive)

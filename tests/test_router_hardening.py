@@ -1,0 +1,136 @@
+"""Issue 28, the router's part: no single request takes the service down. Each test names the
+audit's finding it covers; each failed before the change that made it pass. In-process routers
+(tests/router_fakes.py) in front of a fake scheduler."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagedserve.services import protocol
+# The model, the fake scheduler and a router in front of it: test_router_limits's fixtures.
+from test_router_limits import _router, fake, info  # noqa: F401
+
+BODY = {"prompt": "hello", "max_tokens": 2}
+JSON = {"Content-Type": "application/json"}
+
+
+# ---- 1: heavy bodies run off the event loop, limits before any work ------------------------------
+
+def _chat_body(messages: int) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hello there"}] * messages}).encode()
+
+
+def _health_while(url: str, posts: list[tuple[str, bytes]]) -> tuple[float, list]:
+    """The slowest /health answer while the posts run concurrently, and the posts' answers."""
+    answers: list = []
+
+    def post(path, body):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            t0 = time.monotonic()
+            r = http.post(path, content=body, headers=JSON)
+            answers.append((r.status_code, time.monotonic() - t0))
+    threads = [threading.Thread(target=post, args=p, daemon=True) for p in posts]
+    for t in threads:
+        t.start()
+    worst = 0.0
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while any(t.is_alive() for t in threads):
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.02)
+    return worst, answers
+
+
+def test_six_huge_chat_bodies_do_not_stall_health(info, fake):
+    """Finding 1: six concurrent /tokenize bodies of 100,000 messages (3.4 MB each) stalled the
+    event loop for seconds. Now each is a fast 400 (too many messages, counted before any
+    validation or rendering), parsed off the loop, and /health answers meanwhile."""
+    huge = _chat_body(100_000)
+    assert len(huge) > 3_000_000
+    with _router(info, fake) as r:
+        worst, answers = _health_while(r.url, [("/tokenize", huge)] * 6)
+        assert worst < 1.0, worst
+        assert sorted(s for s, _ in answers) == [400] * 6
+        assert max(t for _, t in answers) < 5.0
+        with httpx.Client(base_url=r.url, timeout=30) as http:
+            resp = http.post("/tokenize", content=huge, headers=JSON)
+            assert resp.json()["error"]["param"] == "messages" and "100000" in resp.json()["error"]["message"]
+
+
+def test_large_bodies_within_the_limits_are_served_off_the_loop(info, fake):
+    """Bodies under the limits still cost time to validate, render and tokenize: done in the pool."""
+    with _router(info, fake, max_chat_messages=100_000) as r:
+        worst, answers = _health_while(r.url, [("/tokenize", _chat_body(20_000))] * 3)
+        assert worst < 1.0, worst
+        assert {s for s, _ in answers} <= {200, 400, 503}, answers
+
+
+def test_a_full_offload_pool_answers_503(info, fake):
+    with _router(info, fake, offload_queue=0) as r:
+        gate = threading.Event()
+        r.ctx.offload.pool.submit(gate.wait, 10)      # the only thread is busy
+        r.ctx.offload.pending += 1
+        try:
+            with httpx.Client(base_url=r.url, timeout=10) as http:
+                big = {"prompt": "x " * 10000, "max_tokens": 1}
+                resp = http.post("/v1/completions", json=big)
+                assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+                assert "--offload-queue" in resp.json()["error"]["message"]
+                assert http.post("/v1/completions", json=BODY).status_code == 200   # small: inline
+        finally:
+            gate.set()
+
+
+# ---- 5: JSON-only bodies --------------------------------------------------------------------------
+
+NOT_JSON = [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+
+
+def test_a_post_that_is_not_json_is_415(info, fake):
+    """Finding 5: text/plain and missing Content-Type were accepted, so a web page could POST
+    cross-origin without a CORS preflight."""
+    bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1}, "/tokenize": {"prompt": "hi"},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+              "/detokenize": {"tokens": [1]}}
+    with _router(info, fake) as r, httpx.Client(base_url=r.url, timeout=10) as http:
+        for path, fields in bodies.items():
+            body = json.dumps(fields).encode()
+            for content_type in NOT_JSON:
+                headers = {"Content-Type": content_type} if content_type else {}
+                resp = http.post(path, content=body, headers=headers)
+                assert resp.status_code == 415, (path, content_type, resp.text)
+                err = resp.json()["error"]
+                assert err["code"] == 415 and err["type"] == "invalid_request_error"
+                assert err["param"] == "Content-Type"
+            ok = http.post(path, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+            assert ok.status_code == 200, (path, ok.text)
+    assert len(fake.messages(protocol.AddRequest)) == 2     # only the two JSON /v1 posts ran
+
+
+# ---- 7: lone surrogates ---------------------------------------------------------------------------
+
+SURROGATES = [
+    {"model": "\ud800", "prompt": "x"},
+    {"prompt": "x", "user": "\udfff"},
+    {"prompt": "x", "stop": ["a\ud800"]},
+    {"prompt": "x", "logit_bias": {"\ud800": 1}},
+    {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"\udc00": 1}}}},
+]
+
+
+def test_a_lone_surrogate_anywhere_is_a_400(info, fake):
+    """Finding 7: "model": "\\ud800" was a 500 with a traceback in the log."""
+    with _router(info, fake) as r, httpx.Client(base_url=r.url, timeout=10) as http:
+        for body in SURROGATES:
+            resp = http.post("/v1/completions", content=json.dumps(body), headers=JSON)
+            assert resp.status_code == 400, (body, resp.text)
+            assert "surrogate" in resp.json()["error"]["message"]
+        # A paired surrogate is a character like any other.
+        fine = http.post("/v1/completions", content=json.dumps({"prompt": "\ud83d\ude00", "max_tokens": 1}),
+                         headers=JSON)
+        assert fine.status_code == 200, fine.text
