@@ -134,3 +134,36 @@ def test_a_lone_surrogate_anywhere_is_a_400(info, fake):
         fine = http.post("/v1/completions", content=json.dumps({"prompt": "\ud83d\ude00", "max_tokens": 1}),
                          headers=JSON)
         assert fine.status_code == 200, fine.text
+
+
+# ---- 4: requests belong to the key that made them -------------------------------------------------
+
+def test_another_key_cannot_see_cancel_or_take_a_request_id(info, fake):
+    """Finding 4: key B could GET and cancel key A's request (read its replica_endpoint too) and
+    reuse its id. Now B meets a 404, as for an unknown id, and its own request of that id is its own."""
+    fake.token_delay_s = 0.05                  # A's request runs long enough to be looked at
+    a, b = {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk-b"}
+    with _router(info, fake, api_keys=["sk-a", "sk-b"]) as r, httpx.Client(base_url=r.url, timeout=20) as http:
+        body = {"prompt": "x", "max_tokens": 200, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body, headers={**a, "X-Request-Id": "mine"}) as s:
+            lines = s.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            for method, path in (("GET", "/v1/requests/mine"), ("POST", "/v1/requests/mine/cancel"),
+                                 ("DELETE", "/v1/requests/mine")):
+                resp = http.request(method, path, headers=b)
+                assert resp.status_code == 404, (method, resp.text)
+                assert resp.json()["error"]["type"] == "not_found_error"
+            # B's request of the same id is its own (no 409 that would tell B the id is taken).
+            mine_too = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                 headers={**b, "X-Request-Id": "mine"})
+            assert mine_too.status_code == 200, mine_too.text
+            assert http.get("/v1/requests/mine", headers=b).json()["status"] == "finished"
+            record = http.get("/v1/requests/mine", headers=a).json()
+            assert record["status"] == "running" and record["request_id"] == "mine"
+            assert not {"replica_endpoint", "backend_ids"} & set(record), record
+            assert "tcp://" not in json.dumps(record)
+            cancelled = http.post("/v1/requests/mine/cancel", headers=a)
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+            assert "tcp://" not in cancelled.text
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert rest[-1]["choices"][0]["finish_reason"] == "abort"

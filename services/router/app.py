@@ -42,11 +42,13 @@ from pagedserve.services.router.openai_schema import (ChatCompletionRequest, Com
                                            validation_error)
 from pagedserve.services.router.replicas import Backends
 from pagedserve.services.router.tokenization import detokenize, tokenize
-from pagedserve.services.state import StateStore
+from pagedserve.services.state import StateStore, hash_api_key
 
 log = logging.getLogger("pagedserve.router")
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# What a request's record holds for the routers alone: where it runs, and its ids there.
+INTERNAL_RECORD_FIELDS = frozenset({"replica_endpoint", "backend_ids"})
 
 
 @functools.cache
@@ -180,6 +182,14 @@ class RouterContext:
             raise bad_request("X-Request-Id must be 1-128 characters of letters, digits and . _ : -",
                               "X-Request-Id")
         return given
+
+    def record_id(self, request: Request, request_id: str) -> str:
+        """The key of a request's record in the shared state: its id under the API key that made
+        it, so that another key's lookup, cancel or reuse of the id never meets it (it gets the
+        404 of an unknown id). '/' cannot appear in an X-Request-Id, so no id can pose as a
+        scoped one; without keys every client shares the one unnamed scope."""
+        key, _ = (request.scope.get("state") or {}).get("api_key", (None, {}))
+        return request_id if key is None else f"{hash_api_key(key)[:32]}/{request_id}"
 
     def admit(self, request: Request) -> Ticket:
         """A generation request's rate limit (per API key) and its place in the bounded queue;
@@ -326,28 +336,34 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
         return {rid: s.get("kv", {}) for rid, s in stats}
 
     # ---- request records ---------------------------------------------------------------------
-    def _record(request_id: str) -> dict:
-        record = ctx.state.get_request(request_id)
+    # Records are scoped to the API key that made them (RouterContext.record_id); what leaves is
+    # their public part: the engine's address and the backend ids stay inside.
+    def _record(request: Request, request_id: str) -> tuple[str, dict]:
+        scoped = ctx.record_id(request, request_id)
+        record = ctx.state.get_request(scoped)
         if record is None:
             raise APIError(404, f"no request {request_id!r} (unknown, or its record expired)", "request_id")
-        return record
+        return scoped, record
+
+    def _public(record: dict, request_id: str) -> dict:
+        return {**{k: v for k, v in record.items() if k not in INTERNAL_RECORD_FIELDS}, "request_id": request_id}
 
     @app.get("/v1/requests/{request_id}")
     async def get_request(request_id: str, request: Request):
-        return _record(request_id)
+        return _public(_record(request, request_id)[1], request_id)
 
     async def _cancel(request_id: str, request: Request):
-        record = _record(request_id)
+        scoped, record = _record(request, request_id)
         if record.get("status") != "running":
-            return record
+            return _public(record, request_id)
         client = ctx.backends.client(record["replica_endpoint"])
         try:
             for bid in record.get("backend_ids") or [request_id]:
                 await client.abort(bid)
         except Exception as e:   # SchedulerUnavailable: the replica is gone, and its requests with it
             raise APIError(503, f"could not reach the request's engine: {e}") from None
-        ctx.state.update_request_status(request_id, "cancelled", cancelled_by=ctx.router_id)
-        return _record(request_id)
+        ctx.state.update_request_status(scoped, "cancelled", cancelled_by=ctx.router_id)
+        return _public(_record(request, request_id)[1], request_id)
 
     app.add_api_route("/v1/requests/{request_id}/cancel", _cancel, methods=["POST"])
     app.add_api_route("/v1/requests/{request_id}", _cancel, methods=["DELETE"])

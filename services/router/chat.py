@@ -46,7 +46,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream), true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval))
+                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
+                     record_id=ctx.record_id(request, request_id))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),

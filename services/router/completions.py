@@ -41,7 +41,8 @@ async def create_completion(ctx: "RouterContext", request):
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
                      stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval))
+                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
+                     record_id=ctx.record_id(request, request_id))
     await gen.start()
     # The prompt as sent; token prompts as their text, special tokens included.
     echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \
