@@ -167,3 +167,44 @@ def test_another_key_cannot_see_cancel_or_take_a_request_id(info, fake):
             assert "tcp://" not in cancelled.text
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+# ---- 10: rate limits that count what they claim ---------------------------------------------------
+
+def test_the_rate_limit_allows_its_full_count_after_a_quiet_window(info, fake):
+    """Finding 10: 20 per 10 s allowed only 14-15 after a quiet window."""
+    with _router(info, fake, api_keys=["sk-r"], rate_limit=20, rate_limit_window_s=1.5) as r, \
+            httpx.Client(base_url=r.url, timeout=10, headers={"Authorization": "Bearer sk-r"}) as http:
+        for _ in range(2):
+            codes = [http.post("/v1/completions", json=BODY).status_code for _ in range(21)]
+            assert codes == [200] * 20 + [429], codes
+            time.sleep(1.6)
+
+
+def test_requests_refused_as_invalid_do_not_use_the_rate_limit(info, fake):
+    """Finding 10: 400s counted against the limit."""
+    with _router(info, fake, api_keys=["sk-r"], rate_limit=2, rate_limit_window_s=3600) as r, \
+            httpx.Client(base_url=r.url, timeout=10, headers={"Authorization": "Bearer sk-r"}) as http:
+        for bad in ({"prompt": "x", "n": 0}, {"prompt": 5}, {"model": "nope", "prompt": "x"}):
+            assert http.post("/v1/completions", json=bad).status_code in (400, 404)
+        assert http.post("/v1/completions", content=b"{}", headers={"Content-Type": "text/plain"}).status_code == 415
+        assert [http.post("/v1/completions", json=BODY).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_wrong_keys_are_throttled_per_client_address(info, fake):
+    """Finding 10: a wrong key was never throttled. Past the limit the address gets 429 before its
+    key is checked, the right key included (a guesser cannot tell a hit)."""
+    with _router(info, fake, api_keys=["sk-right"], auth_failure_limit=3, rate_limit_window_s=1.0) as r, \
+            httpx.Client(base_url=r.url, timeout=10) as http:
+        right = {"Authorization": "Bearer sk-right"}
+        assert http.post("/v1/completions", json=BODY, headers=right).status_code == 200   # not counted
+        for guess in ("sk-1", "sk-2"):
+            assert http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {guess}"}).status_code == 401
+        assert http.get("/v1/models").status_code == 401            # a missing key counts too
+        for headers in ({"Authorization": "Bearer sk-3"}, right):
+            resp = http.post("/v1/completions", json=BODY, headers=headers)
+            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1, resp.text
+            assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert http.get("/health").status_code == 200               # probes are not behind keys
+        time.sleep(1.1)
+        assert http.post("/v1/completions", json=BODY, headers=right).status_code == 200

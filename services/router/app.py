@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib.metadata
 import logging
+import math
 import re
 import time
 import uuid
@@ -201,8 +202,16 @@ class RouterContext:
             if not decision.allowed:
                 raise APIError(429, f"Rate limit reached: {limit} requests per "
                                     f"{self.config.rate_limit_window_s:g} s.",
-                               headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
+                               headers={"Retry-After": str(max(1, math.ceil(decision.retry_after_s)))})
+            request.state.rate_hit = (key, decision.token)
         return self.admission.enter()
+
+    def refund(self, request: Request) -> None:
+        """Give back the rate-limit quota a request took: one the API refused as invalid (a 4xx)
+        never reached an engine, and a client fixing its requests is not throttled for them."""
+        hit = getattr(request.state, "rate_hit", None)
+        if hit is not None:
+            self.state.refund_rate_limit(*hit)
 
     def time_left(self, request: Request) -> float | None:
         """Seconds --request-timeout leaves this request (None: no limit)."""
@@ -271,6 +280,10 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
         request.state.ticket = ticket
         try:
             return await handler(ctx, request)
+        except APIError as e:
+            if 400 <= e.status < 500:
+                ctx.refund(request)
+            raise
         finally:
             if not ticket.owned:   # no Generation started with it (a 4xx, a 503)
                 ticket.release()

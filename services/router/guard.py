@@ -7,6 +7,8 @@ A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap every streamed
   Keys given on the command line are compared in constant time (every configured key is compared,
   a mismatch takes as long as a match); keys kept in Redis (--require-api-key) are found by the
   SHA-256 of the key, which tells an attacker nothing about any key.
+- 401s are counted per client address: past --auth-failure-limit in a --rate-limit-window, that
+  address gets 429 on /v1/* before any key it sends is checked.
 - A body over --max-request-body-mb is a 413 before any of it is parsed: at once from
   Content-Length, or as soon as a chunked body passes the limit.
 The key that passed is left in scope["state"]["api_key"] for the rate limit of the routes that count.
@@ -17,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 
 from pagedserve.services.router.errors import error_body
 
@@ -34,6 +37,7 @@ class Guard:
         self.auth_required = config.auth_required
         self.digests = [key_digest(k) for k in config.api_keys]
         self.use_store = config.require_api_key
+        self.failure_limit, self.window_s = config.auth_failure_limit, config.rate_limit_window_s
         self.state = state
 
     async def __call__(self, scope, receive, send):
@@ -41,9 +45,21 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.auth_required and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS":
+            # Throttled before the key is looked at: past the limit a right key is refused too,
+            # so a guesser learns nothing from its guesses (clients behind one proxy share its address).
+            throttle = f"auth-failures:{(scope.get('client') or ('?',))[0]}"
+            if self.failure_limit:
+                blocked = self.state.hit_rate_limit(throttle, self.failure_limit, self.window_s, count=False)
+                if not blocked.allowed:
+                    self.on_error(429)
+                    return await _answer(send, 429, f"Too many requests with a wrong or missing API key from "
+                                                    f"this address; retry in {math.ceil(blocked.retry_after_s)} s.",
+                                         {"Retry-After": str(max(1, math.ceil(blocked.retry_after_s)))})
             key = self._bearer(scope)
             info = self._check(key) if key else None
             if info is None:
+                if self.failure_limit:
+                    self.state.hit_rate_limit(throttle, self.failure_limit, self.window_s)
                 self.on_error(401)
                 why = "Incorrect API key provided." if key else "Missing API key: send 'Authorization: Bearer <key>'."
                 return await _answer(send, 401, why, {"WWW-Authenticate": "Bearer"})

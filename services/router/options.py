@@ -38,8 +38,12 @@ class RouterOptions:
                               check=lambda keys: all(keys) or "an API key may not be empty")
     require_api_key: bool = opt(False, "ask for an API key even without --api-key (keys kept in Redis)")
     rate_limit: int | None = opt(None, "requests per window per API key (429 beyond it)", check=at_least(1))
-    rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window", flag="--rate-limit-window",
-                                     check=positive)
+    auth_failure_limit: int | None = opt(60, "requests with a wrong or missing API key one client address may "
+                                             "send per rate-limit window; beyond it that address gets 429 on "
+                                             "/v1/* (its keys unchecked) until the window has passed",
+                                         check=at_least(1))
+    rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window (an exact sliding window)",
+                                     flag="--rate-limit-window", check=positive)
     max_queued_requests: int | None = opt(None, "requests a router holds that have not started (503 with "
                                                 "Retry-After beyond it, before tokenizing)", check=at_least(1))
     max_queued_tokens: int | None = opt(None, "prompt tokens of the requests a router holds that have not "
