@@ -169,6 +169,30 @@ def test_another_key_cannot_see_cancel_or_take_a_request_id(info, fake):
         assert rest[-1]["choices"][0]["finish_reason"] == "abort"
 
 
+# ---- 9: the queue counts sequences ---------------------------------------------------------------
+
+def test_the_queue_limit_counts_sequences_not_requests(info, fake):
+    """Finding 9: one request of 64 prompts x n=128 put 62 engine requests in the queue past a
+    limit of 4. Now a request holds prompts x n places (best_of's and the beam's width too)."""
+    fake.silent = True                     # nothing starts: what is admitted stays queued
+    with _router(info, fake, max_queued_requests=4, request_timeout_s=3.0) as r, \
+            httpx.Client(base_url=r.url, timeout=10) as http:
+        held: list = []
+        hold = threading.Thread(target=lambda: held.append(http.post(
+            "/v1/completions", json={"prompt": ["a", "b"], "n": 1, "best_of": 1, "max_tokens": 2})), daemon=True)
+        hold.start()
+        fake.wait_for(protocol.AddRequest, 2)                       # 2 sequences queued
+        refused = http.post("/v1/completions", json={"prompt": "x", "n": 3, "max_tokens": 2})
+        assert refused.status_code == 503 and "max-queued-requests" in refused.json()["error"]["message"]
+        best_of = http.post("/v1/completions", json={"prompt": "x", "best_of": 3, "max_tokens": 2})
+        assert best_of.status_code == 503
+        never = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+        assert len(fake.messages(protocol.AddRequest)) == 2
+        hold.join(10)
+        assert r.ctx.admission.sequences == 0 and r.ctx.admission.tokens == 0
+
+
 # ---- 10: rate limits that count what they claim ---------------------------------------------------
 
 def test_the_rate_limit_allows_its_full_count_after_a_quiet_window(info, fake):
@@ -199,7 +223,8 @@ def test_wrong_keys_are_throttled_per_client_address(info, fake):
         right = {"Authorization": "Bearer sk-right"}
         assert http.post("/v1/completions", json=BODY, headers=right).status_code == 200   # not counted
         for guess in ("sk-1", "sk-2"):
-            assert http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {guess}"}).status_code == 401
+            wrong = {"Authorization": f"Bearer {guess}"}
+            assert http.post("/v1/completions", json=BODY, headers=wrong).status_code == 401
         assert http.get("/v1/models").status_code == 401            # a missing key counts too
         for headers in ({"Authorization": "Bearer sk-3"}, right):
             resp = http.post("/v1/completions", json=BODY, headers=headers)

@@ -102,7 +102,8 @@ class Generation:
     async def start(self) -> None:
         ctx = self.ctx
         if self.ticket is not None:
-            self.ticket.charge(self.num_prompt_tokens)    # 503 when the queued tokens are over the limit
+            # 503 when the queued sequences or tokens would pass their limits
+            self.ticket.charge(self.num_prompt_tokens, len(self.prompts) * max(self.params.n, self.params.beam_width))
         client = ctx.backends.pick(self.prompts[0])
         if not ctx.state.put_request(self.record_id, ctx.router_id, client.endpoint, "running",
                                      backend_ids=self.backend_ids, kind=self.kind, model=ctx.model_name):

@@ -44,8 +44,9 @@ class RouterOptions:
                                          check=at_least(1))
     rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window (an exact sliding window)",
                                      flag="--rate-limit-window", check=positive)
-    max_queued_requests: int | None = opt(None, "requests a router holds that have not started (503 with "
-                                                "Retry-After beyond it, before tokenizing)", check=at_least(1))
+    max_queued_requests: int | None = opt(None, "sequences (prompts x n) a router holds that have not started "
+                                                "(503 with Retry-After beyond it; a request alone larger is a 400)",
+                                          check=at_least(1))
     max_queued_tokens: int | None = opt(None, "prompt tokens of the requests a router holds that have not "
                                               "started (503 with Retry-After beyond it)", check=at_least(1))
     max_request_body_mb: float = opt(16.0, "the largest request body in MiB (413 beyond it, before parsing)",
