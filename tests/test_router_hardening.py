@@ -3,7 +3,9 @@ audit's finding it covers; each failed before the change that made it pass. In-p
 (tests/router_fakes.py) in front of a fake scheduler."""
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
 
@@ -110,6 +112,61 @@ def test_a_post_that_is_not_json_is_415(info, fake):
             ok = http.post(path, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
             assert ok.status_code == 200, (path, ok.text)
     assert len(fake.messages(protocol.AddRequest)) == 2     # only the two JSON /v1 posts ran
+
+
+# ---- 6: a 413 (and a 401) every client can read -------------------------------------------------
+
+def _post_with_http_client(port: int, body: bytes, headers: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={**JSON, **headers})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_a_too_large_body_gets_a_413_that_http_client_can_read(info, fake):
+    """Finding 6: a 24 MB body (limit 16 MB) met a connection reset 8 times of 8 with http.client:
+    the 413 went out with Connection: close while the body was still coming. Now the body is
+    drained (within a bound) first; a 401 with a large body is read the same way."""
+    big = b'{"prompt": "' + b"x" * (24 << 20) + b'"}'
+    with _router(info, fake, api_keys=["sk-k"]) as r:
+        for _ in range(3):
+            status, body = _post_with_http_client(r.port, big, {"Authorization": "Bearer sk-k"})
+            assert status == 413 and body["error"]["code"] == 413
+        status, body = _post_with_http_client(r.port, big[: 8 << 20], {})
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+
+
+def test_without_a_key_a_huge_body_is_not_read(info, fake):
+    """Finding 6: without a key the server read the whole body (to keep the connection) after its
+    401. Now past the drain bound the 401 comes with Connection: close and the reading stops."""
+    total, chunk = 512 << 20, b"x" * (1 << 20)
+    with _router(info, fake, api_keys=["sk-k"]) as r, socket.create_connection(("127.0.0.1", r.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % total)
+        answer = bytearray()
+
+        def read():
+            try:
+                while data := sock.recv(65536):
+                    answer.extend(data)
+            except OSError:
+                pass
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        sent = 0
+        try:
+            while sent < total:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError:           # the server closed the connection: it reads no more
+            pass
+        reader.join(10)
+        assert answer.startswith(b"HTTP/1.1 401"), bytes(answer[:200])
+        assert b"connection: close" in answer.lower()
+        assert sent < total // 2, sent
 
 
 # ---- 7: lone surrogates ---------------------------------------------------------------------------
