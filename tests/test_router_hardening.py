@@ -290,3 +290,26 @@ def test_wrong_keys_are_throttled_per_client_address(info, fake):
         assert http.get("/health").status_code == 200               # probes are not behind keys
         time.sleep(1.1)
         assert http.post("/v1/completions", json=BODY, headers=right).status_code == 200
+
+
+# ---- caches bounded in bytes, with their sizes in /metrics ----------------------------------------
+
+def test_token_text_caches_are_bounded_in_bytes(info):
+    from pagedserve.services.router.detokenizer import TokenTexts, fast_decoder
+    texts = TokenTexts(fast_decoder(info.tokenizer), info.tokenizer, max_bytes=16384)
+    for token_id in range(info.vocab_size):
+        assert texts.text(token_id) == texts.text(token_id)        # a hit gives what a miss made
+        texts.bytes(token_id)
+    for cache in (texts.text, texts.bytes):
+        assert 0 < cache.bytes <= 8192 and 0 < len(cache) < info.vocab_size
+
+
+def test_cache_sizes_and_the_offload_pool_are_in_the_metrics(info, fake):
+    with _router(info, fake, token_text_cache_mb=0.01) as r, httpx.Client(base_url=r.url, timeout=10) as http:
+        assert http.post("/v1/completions", json={**BODY, "logprobs": 3}).status_code == 200
+        lines = http.get("/metrics").text.splitlines()
+    sizes = {line.split('cache="')[1].split('"')[0]: float(line.split()[-1])
+             for line in lines if line.startswith("pagedserve:router_cache_bytes{")}
+    assert set(sizes) == {"token_texts", "token_bytes"} and 0 < sizes["token_texts"] <= 0.005 * (1 << 20)
+    assert any(line.startswith("pagedserve:router_cache_entries{") for line in lines)
+    assert any(line.startswith("pagedserve:router_offload_pending{") for line in lines)

@@ -73,13 +73,15 @@ class RouterContext:
         self.served_names = {self.model_name}
         self.max_batch_prompts = 64
         self.decode = fast_decoder(info.tokenizer)
-        self.token_texts = TokenTexts(self.decode, info.tokenizer)
+        self.token_texts = TokenTexts(self.decode, info.tokenizer, int(config.token_text_cache_mb * (1 << 20)))
         self.metrics = RouterMetrics(self.model_name, info.max_model_len)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
         # CURVE keys for the scheduler sockets (services/curve.py); KeysError here, at start-up.
         self.guard = SocketGuard.from_setting(config.curve_keys)
         self.offload = Offload(config.offload_threads, config.offload_queue)
+        self.metrics.router.watch(caches={"token_texts": self.token_texts.text, "token_bytes": self.token_texts.bytes},
+                                  offload=self.offload)
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
                                    on_reject=self.metrics.admission_rejected)
         self.grammar_cache = CompileCache(

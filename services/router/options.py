@@ -59,6 +59,8 @@ class RouterOptions:
                                  "Retry-After beyond it)", check=at_least(0))
     max_chat_messages: int = opt(4096, "messages a chat request or /tokenize body may hold (400 beyond it, "
                                        "before they are validated or rendered)", check=at_least(1))
+    token_text_cache_mb: float = opt(16.0, "MiB of single-token texts and bytes a router keeps for logprobs "
+                                           "(the least recently used go first)", check=positive)
     request_timeout_s: float | None = opt(None, "seconds a request may take in all; then it is aborted, its "
                                                 "blocks freed, and it ends with a 504", flag="--request-timeout",
                                           check=positive)
