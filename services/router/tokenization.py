@@ -31,13 +31,17 @@ async def tokenize(ctx: "RouterContext", request) -> dict:
             raise bad_request("chat_template_kwargs needs messages", "chat_template_kwargs")
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await ctx.off_loop(ctx.tokenize, req.prompt, special, size=size)
-    strs = ctx.info.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    strs = await ctx.off_loop(ctx.info.tokenizer.convert_ids_to_tokens, ids, size=size) \
+        if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.info.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 async def detokenize(ctx: "RouterContext", request) -> dict:
     req, size = await ctx.read_json(request, DetokenizeRequest)
     ctx.check_model(req.model)
-    ctx.check_token_ids(req.tokens, "tokens")
-    text = await ctx.off_loop(ctx.info.tokenizer.decode, req.tokens, size=size)
-    return {"prompt": text}
+    return {"prompt": await ctx.off_loop(_decode, ctx, req.tokens, size=size)}
+
+
+def _decode(ctx: "RouterContext", tokens: list[int]) -> str:
+    ctx.check_token_ids(tokens, "tokens")      # a walk of every id: off the loop with the decode
+    return ctx.info.tokenizer.decode(tokens)
