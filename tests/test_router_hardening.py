@@ -88,6 +88,21 @@ def test_a_full_offload_pool_answers_503(info, fake):
             gate.set()
 
 
+def test_a_large_answer_is_built_off_the_loop_and_never_refused(info, fake):
+    """n choices x top logprobs grows the answer's JSON as fast as any body: built in the pool,
+    and queued even when the pool is full (the generation it answers has been paid for)."""
+    with _router(info, fake, offload_queue=0) as r, httpx.Client(base_url=r.url, timeout=30) as http:
+        jobs = []
+        submit = r.ctx.offload.pool.submit
+        r.ctx.offload.pool.submit = lambda fn, *a: jobs.append(fn) or submit(fn, *a)
+        r.ctx.offload.pending += 1       # as if a body filled the pool's one place
+        resp = http.post("/v1/completions", json={"prompt": "x", "n": 64, "max_tokens": 40, "logprobs": 5})
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["choices"]) == 64 and len(jobs) == 1
+        r.ctx.offload.pending -= 1
+        assert http.post("/v1/completions", json=BODY).status_code == 200 and len(jobs) == 1   # small: inline
+
+
 # ---- 5: JSON-only bodies --------------------------------------------------------------------------
 
 NOT_JSON = [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]

@@ -140,9 +140,9 @@ class RouterContext:
         limits = {"messages": self.config.max_chat_messages}
         return await self.off_loop(parse_body, raw, model, limits, size=len(raw)), len(raw)
 
-    async def off_loop(self, fn, *args, size: int):
+    async def off_loop(self, fn, *args, size: int, refuse: bool = True):
         """fn(*args), in the bounded pool when size (the body's bytes) is large (services/router/offload.py)."""
-        return await self.offload.run(fn, *args, size=size)
+        return await self.offload.run(fn, *args, size=size, refuse=refuse)
 
     def stream_interval(self, asked: int | None) -> int:
         """Tokens per streamed chunk: --stream-interval, raised (never lowered) by the request's own, as vLLM."""

@@ -1,5 +1,6 @@
 """The router's bounded pool for work whose cost grows with a request's body: JSON parsing and
-validation, chat-template rendering, tokenizing, detokenizing.
+validation, chat-template rendering, tokenizing, detokenizing; and with its answer: the JSON of
+a non-streamed response (n=1024 choices with 20 top logprobs each is millions of objects).
 
 Done on the event loop, one large body (100,000 chat messages, 3.4 MB) stalled every other request,
 /health included, for seconds: the launcher judged the router stuck and restarted it (issue 28).
@@ -30,12 +31,13 @@ class Offload:
         self._lock = threading.Lock()
         self.pending = 0     # jobs submitted and not finished (running or waiting for a thread)
 
-    async def run(self, fn, *args, size: int):
-        """fn(*args), inline when size (bytes of the request's body) is small, else in the pool."""
+    async def run(self, fn, *args, size: int, refuse: bool = True):
+        """fn(*args), inline when size (bytes of the body, or of the answer) is small, else in the
+        pool. refuse=False queues past the bound: a finished generation's answer is paid for."""
         if size < INLINE_BYTES:
             return fn(*args)
         with self._lock:
-            if self.pending >= self.limit:
+            if refuse and self.pending >= self.limit:
                 raise unavailable(f"the router is busy with {self.pending} large request bodies "
                                   f"(--offload-threads + --offload-queue is {self.limit}); retry later")
             self.pending += 1
