@@ -10,7 +10,7 @@ Keys (Redis, under a prefix, default "pagedserve:"):
   request:<id>          hash of the request record, expires `request_ttl_s` after its last write
   request:<id>:claim    held while the request runs: a second request of that id is refused
   apikey:<sha256>       JSON of the key's info (the key itself is never stored)
-  rate:<sha256>:<win>   request count of one fixed window; two windows give a sliding estimate
+  rate:<sha256>         sorted set of the window's requests (score: their time): an exact sliding window
 
 Calls are short round trips to a local Redis (~0.2 ms); the router makes them inline.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class RateDecision:
     allowed: bool
     count: float            # requests counted in the sliding window, this one included if allowed
     retry_after_s: float    # when a refused client may try again
+    token: str = ""         # names the request counted, for refund_rate_limit
 
 
 def hash_api_key(key: str) -> str:
@@ -108,21 +110,21 @@ class StateStore(abc.ABC):
         """The key's info, or None for an unknown key."""
 
     @abc.abstractmethod
-    def hit_rate_limit(self, key: str, limit: int, window_s: float = 60.0) -> RateDecision:
-        """Count one request for this key in a sliding window (two fixed windows, the previous one
-        weighted by how much of it still overlaps); a refused request is not counted."""
+    def hit_rate_limit(self, key: str, limit: int, window_s: float = 60.0, count: bool = True) -> RateDecision:
+        """Count one request for this key in an exact sliding window: allowed when fewer than
+        `limit` were counted in the last window_s seconds. A refused request is not counted;
+        count=False only asks whether one more would be allowed."""
+
+    @abc.abstractmethod
+    def refund_rate_limit(self, key: str, token: str) -> None:
+        """Uncount the request a hit_rate_limit counted (one refused as invalid uses no quota)."""
 
     def close(self) -> None:
         pass
 
 
-def _sliding(prev: float, curr: float, now: float, window_s: float) -> float:
-    elapsed = (now % window_s) / window_s
-    return prev * (1.0 - elapsed) + curr
-
-
-def _retry_after(now: float, window_s: float) -> float:
-    return max(0.001, window_s - (now % window_s))
+def _rate_token() -> str:
+    return secrets.token_hex(8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,7 +139,7 @@ class MemoryState(StateStore):
         self._replicas: dict[str, tuple[float, Replica]] = {}     # id -> (expires at, replica)
         self._requests: dict[str, tuple[float, dict]] = {}
         self._keys: dict[str, dict] = {}
-        self._rates: dict[tuple[str, int], int] = {}
+        self._rates: dict[str, dict[str, float]] = {}     # key digest -> {token: time counted}
 
     def register_replica(self, replica_id, endpoint, info=None, ttl_s=10.0):
         with self._lock:
@@ -211,19 +213,26 @@ class MemoryState(StateStore):
             info = self._keys.get(hash_api_key(key))
             return None if info is None else dict(info)
 
-    def hit_rate_limit(self, key, limit, window_s=60.0):
+    def hit_rate_limit(self, key, limit, window_s=60.0, count=True):
         h = hash_api_key(key)
         with self._lock:
-            now = self._wall()
-            win = int(now // window_s)
-            for old in [k for k in self._rates if k[0] == h and k[1] < win - 1]:
-                del self._rates[old]
-            curr = self._rates.get((h, win), 0) + 1
-            count = _sliding(self._rates.get((h, win - 1), 0), curr, now, window_s)
-            if count > limit:
-                return RateDecision(False, count - 1, _retry_after(now, window_s))
-            self._rates[(h, win)] = curr
-            return RateDecision(True, count, 0.0)
+            now = self._clock()
+            if len(self._rates) > 1024:     # bounded memory (client addresses are keys too)
+                for old in [k for k, v in self._rates.items() if max(v.values(), default=0) <= now - window_s]:
+                    del self._rates[old]
+            hits = {t: at for t, at in self._rates.get(h, {}).items() if at > now - window_s}
+            self._rates[h] = hits
+            if len(hits) >= limit:
+                return RateDecision(False, len(hits), max(0.001, min(hits.values()) + window_s - now))
+            if not count:
+                return RateDecision(True, len(hits), 0.0)
+            token = _rate_token()
+            hits[token] = now
+            return RateDecision(True, len(hits), 0.0, token)
+
+    def refund_rate_limit(self, key, token):
+        with self._lock:
+            self._rates.get(hash_api_key(key), {}).pop(token, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,22 +357,33 @@ class RedisState(StateStore):
         raw = self.r.get(self._k("apikey", hash_api_key(key)))
         return None if raw is None else json.loads(raw)
 
-    def hit_rate_limit(self, key, limit, window_s=60.0):
-        h = hash_api_key(key)
-        now = time.time()
-        win = int(now // window_s)
-        curr_key, prev_key = self._k("rate", h, str(win)), self._k("rate", h, str(win - 1))
-        pipe = self.r.pipeline()
-        pipe.incr(curr_key)
-        # The window index is in the key, so re-arming the expiry each time is harmless.
-        pipe.pexpire(curr_key, int(window_s * 2000) + 1000)
-        pipe.get(prev_key)
-        curr, _, prev = pipe.execute()
-        count = _sliding(float(prev or 0), float(curr), now, window_s)
-        if count > limit:
-            self.r.decr(curr_key)     # a refused request does not use up the quota
-            return RateDecision(False, count - 1, _retry_after(now, window_s))
-        return RateDecision(True, count, 0.0)
+    # One atomic step for every router: drop what left the window, count, add this one if it fits.
+    # Returns {allowed, count, oldest score}. Time is the caller's (routers keep NTP-close clocks).
+    _HIT = """
+        redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1] - ARGV[2])
+        local n = redis.call('ZCARD', KEYS[1])
+        if n >= tonumber(ARGV[3]) then
+            local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+            return {0, n, oldest[2]}
+        end
+        if ARGV[5] == '1' then
+            redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+            redis.call('PEXPIRE', KEYS[1], math.ceil(ARGV[2] * 1000) + 1000)
+            n = n + 1
+        end
+        return {1, n, '0'}
+    """
+
+    def hit_rate_limit(self, key, limit, window_s=60.0, count=True):
+        now, token = time.time(), _rate_token()
+        allowed, n, oldest = self.r.eval(self._HIT, 1, self._k("rate", hash_api_key(key)), repr(now),
+                                         repr(window_s), str(limit), token, "1" if count else "0")
+        if not allowed:
+            return RateDecision(False, n, max(0.001, float(oldest) + window_s - now))
+        return RateDecision(True, n, 0.0, token if count else "")
+
+    def refund_rate_limit(self, key, token):
+        self.r.zrem(self._k("rate", hash_api_key(key)), token)
 
     def clear(self) -> int:
         """Delete every key under this store's prefix (tests; tearing down a stack)."""

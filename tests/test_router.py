@@ -49,6 +49,9 @@ def client(router, fake):
         yield c
 
 
+JSON = {"Content-Type": "application/json"}   # bodies sent as raw bytes name their type
+
+
 def expected_text(info, script, n_tokens, choice=0):
     ids = [script[(choice + k) % len(script)] for k in range(n_tokens)]
     return info.tokenizer.decode(ids, skip_special_tokens=True)
@@ -348,7 +351,7 @@ BAD_COMPLETIONS = [
 def test_bad_completion_requests_get_400_and_never_reach_the_scheduler(client, fake, body, param):
     before = len(fake.messages(protocol.AddRequest))
     # json.dumps escapes lone surrogates (\ud800), which httpx's own encoder cannot write.
-    assert_error(client.post("/v1/completions", content=json.dumps(body)), 400, param)
+    assert_error(client.post("/v1/completions", content=json.dumps(body), headers=JSON), 400, param)
     assert len(fake.messages(protocol.AddRequest)) == before
 
 
@@ -379,16 +382,16 @@ BAD_CHATS = [
 @pytest.mark.parametrize("body,param", BAD_CHATS, ids=[str(i) for i in range(len(BAD_CHATS))])
 def test_bad_chat_requests_get_400_and_never_reach_the_scheduler(client, fake, body, param):
     before = len(fake.messages(protocol.AddRequest))
-    assert_error(client.post("/v1/chat/completions", content=json.dumps(body)), 400, param)
+    assert_error(client.post("/v1/chat/completions", content=json.dumps(body), headers=JSON), 400, param)
     assert len(fake.messages(protocol.AddRequest)) == before
 
 
 def test_malformed_bodies_unknown_models_and_routes(client, fake):
     before = len(fake.messages(protocol.AddRequest))
-    assert_error(client.post("/v1/completions", content=b"{not json"), 400)
-    assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400)
-    assert_error(client.post("/v1/completions", content=b"\xff\xfe"), 400)
-    assert_error(client.post("/v1/chat/completions", content=b""), 400)
+    assert_error(client.post("/v1/completions", content=b"{not json", headers=JSON), 400)
+    assert_error(client.post("/v1/completions", content=b"[1, 2]", headers=JSON), 400)
+    assert_error(client.post("/v1/completions", content=b"\xff\xfe", headers=JSON), 400)
+    assert_error(client.post("/v1/chat/completions", content=b"", headers=JSON), 400)
     assert_error(client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "bad id!"}), 400)
     assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
     assert_error(client.get("/v1/nothing-here"), 404)

@@ -16,7 +16,7 @@ from pagedserve.services.router.service import Config
 from pagedserve.services.state import MemoryState
 # The router and its fake scheduler are test_router's fixtures (fresh instances for this module).
 from test_router import client, fake, info, router, script  # noqa: F401
-from test_router import assert_error, expected_text, stream_events, stream_text
+from test_router import JSON, assert_error, expected_text, stream_events, stream_text
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -120,7 +120,7 @@ def test_a_deeply_nested_body_is_a_400(client, fake, depth):
     for path, body in [("/v1/completions", '{"prompt": "x", "user": %s}' % nested),
                        ("/v1/chat/completions", '{"messages": %s}' % nested),
                        ("/v1/completions", '{"prompt": "x", "guided_json": %s}' % ('{"a":' * depth + "1" + "}" * depth))]:
-        assert_error(client.post(path, content=body), 400)
+        assert_error(client.post(path, content=body, headers=JSON), 400)
     assert len(fake.messages(protocol.AddRequest)) == before
 
 

@@ -141,3 +141,20 @@ def test_the_scheduler_keeps_its_lease_through_a_pause_and_a_state_outage():
             raise redis.exceptions.ConnectionError("Connection refused")
     svc.state = Down()
     SchedulerService._renew_lease(svc)               # no exception
+
+
+def test_rate_limit_is_an_exact_sliding_window(state):
+    """Issue 28 finding 10: 20 per 10 s allowed only 14-15 after a quiet window (two fixed windows
+    blended). Exact now: after a quiet window the full limit passes, then a refusal, and a slot
+    comes back exactly when the oldest request leaves the window; a refund gives its slot back."""
+    window = 0.6
+    assert all(state.hit_rate_limit("w", 20, window).allowed for _ in range(20))
+    refused = state.hit_rate_limit("w", 20, window)
+    assert not refused.allowed and 0 < refused.retry_after_s <= window
+    assert state.hit_rate_limit("w", 20, window, count=False).allowed is False
+    time.sleep(window + 0.05)
+    decisions = [state.hit_rate_limit("w", 20, window) for _ in range(21)]
+    assert [d.allowed for d in decisions] == [True] * 20 + [False]
+    state.refund_rate_limit("w", decisions[0].token)
+    assert state.hit_rate_limit("w", 20, window).allowed
+    assert not state.hit_rate_limit("w", 20, window).allowed

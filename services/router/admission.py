@@ -1,10 +1,12 @@
-"""The router's bounded queue: how many requests (and prompt tokens) it holds that have not started.
+"""The router's bounded queue: how many sequences (and prompt tokens) it holds that have not started.
 
-A request takes a Ticket before its body is tokenized (--max-queued-requests is checked there, so
-a flood is refused without paying for its tokenization), charges its prompt tokens once they are
-known (--max-queued-tokens), and gives the ticket back when its first token arrives or when it
-ends, whichever comes first. The limits are per router: each router bounds what it holds, as
-TGI's --max-concurrent-requests does; several routers hold at most the sum.
+--max-queued-requests counts what the engine will queue, sequences: a request of 64 prompts x
+n=128 is 8192 of them, not one (issue 28: one such request put 62 engine requests past a limit
+of 4). A request takes a Ticket for one sequence before its body is tokenized (so a flood is
+refused without paying for its tokenization), charges its real sequences and prompt tokens once
+they are known (--max-queued-tokens), and gives the ticket back when its first token arrives or
+when it ends, whichever comes first. The limits are per router: each router bounds what it
+holds, as TGI's --max-concurrent-requests does; several routers hold at most the sum.
 
 Owns only its two counters; the Generation that runs a request releases its ticket.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from pagedserve.services.router.errors import APIError, unavailable
+from pagedserve.services.router.errors import APIError, bad_request, unavailable
 
 
 class Admission:
@@ -21,15 +23,15 @@ class Admission:
                  on_reject: Callable[[str], None] = lambda reason: None):
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.on_reject = on_reject      # vLLM's admission_rejections reasons: max_num_queued_reqs / _tokens
-        self.requests = 0
+        self.sequences = 0
         self.tokens = 0
 
     def enter(self) -> "Ticket":
-        if self.max_requests is not None and self.requests >= self.max_requests:
+        if self.max_requests is not None and self.sequences >= self.max_requests:
             self.on_reject("max_num_queued_reqs")
-            raise full(f"the server holds {self.requests} requests that have not started "
+            raise full(f"the server holds {self.sequences} sequences that have not started "
                        f"(--max-queued-requests {self.max_requests}); retry later")
-        self.requests += 1
+        self.sequences += 1
         return Ticket(self)
 
 
@@ -40,11 +42,24 @@ class Ticket:
         self.admission = admission
         self.since = time.monotonic()     # the request's arrival: --request-timeout counts from here
         self.tokens = 0
+        self.sequences = 1       # what enter() counted; charge() sets the real number
         self.held = True
         self.owned = False      # a started Generation releases it; until then its handler does
 
-    def charge(self, tokens: int) -> None:
+    def charge(self, tokens: int, sequences: int = 1) -> None:
+        """The request's prompt tokens and sequences (prompts x n, or x the beam width), once known."""
         a = self.admission
+        more = sequences - self.sequences
+        if a.max_requests is not None and sequences > a.max_requests:
+            # Never fits, however empty the queue: a 400 the client can act on, not a retry loop.
+            self.release()
+            raise bad_request(f"the request makes {sequences} sequences (prompts x n); this server queues at "
+                              f"most {a.max_requests} (--max-queued-requests)", "n")
+        if a.max_requests is not None and a.sequences + more > a.max_requests:
+            self.release()
+            a.on_reject("max_num_queued_reqs")
+            raise full(f"the server holds {a.sequences - self.sequences} sequences that have not started; "
+                       f"{sequences} more would pass --max-queued-requests {a.max_requests}; retry later")
         if a.max_tokens is not None and a.tokens + tokens > a.max_tokens and a.tokens > 0:
             # A prompt larger than the whole limit still runs when nothing else waits: the
             # context length, not this limit, bounds one request.
@@ -54,11 +69,13 @@ class Ticket:
                        f"would pass --max-queued-tokens {a.max_tokens}; retry later")
         self.tokens += tokens
         a.tokens += tokens
+        self.sequences = sequences
+        a.sequences += more
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.admission.requests -= 1
+            self.admission.sequences -= self.sequences
             self.admission.tokens -= self.tokens
 
 

@@ -14,10 +14,10 @@ import contextlib
 import functools
 import importlib.metadata
 import logging
+import math
 import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -37,15 +37,19 @@ from pagedserve.services.router.errors import APIError, bad_request, error_body
 from pagedserve.services.router.guard import Guard
 from pagedserve.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from pagedserve.services.router.model_info import ModelInfo
+from pagedserve.services.router.offload import Offload
 from pagedserve.services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest, openapi_body, validation_error)
+                                           TokenizeRequest, openapi_body, parse_body,
+                                           validation_error)
 from pagedserve.services.router.replicas import Backends
 from pagedserve.services.router.tokenization import detokenize, tokenize
-from pagedserve.services.state import StateStore
+from pagedserve.services.state import StateStore, hash_api_key
 
 log = logging.getLogger("pagedserve.router")
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# What a request's record holds for the routers alone: where it runs, and its ids there.
+INTERNAL_RECORD_FIELDS = frozenset({"replica_endpoint", "backend_ids"})
 
 
 @functools.cache
@@ -69,13 +73,15 @@ class RouterContext:
         self.served_names = {self.model_name}
         self.max_batch_prompts = 64
         self.decode = fast_decoder(info.tokenizer)
-        self.token_texts = TokenTexts(self.decode, info.tokenizer)
+        self.token_texts = TokenTexts(self.decode, info.tokenizer, int(config.token_text_cache_mb * (1 << 20)))
         self.metrics = RouterMetrics(self.model_name, info.max_model_len)
         self.backends: Backends | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
         # CURVE keys for the scheduler sockets (services/curve.py); KeysError here, at start-up.
         self.guard = SocketGuard.from_setting(config.curve_keys)
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.offload = Offload(config.offload_threads, config.offload_queue)
+        self.metrics.router.watch(caches={"token_texts": self.token_texts.text, "token_bytes": self.token_texts.bytes},
+                                  offload=self.offload)
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
                                    on_reject=self.metrics.admission_rejected)
         self.grammar_cache = CompileCache(
@@ -91,7 +97,7 @@ class RouterContext:
         self.backends.start()
 
     async def stop(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.offload.close()
         self.grammar_cache.close()
         if self.backends is not None:
             await self.backends.close()
@@ -122,13 +128,21 @@ class RouterContext:
         if bad:
             raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {self.info.vocab_size})", param)
 
-    async def off_loop(self, fn, *args, size: int = 0):
-        """Run fn(*args) in a thread when size (characters to tokenize) is large: the tokenizer
-        releases the GIL, so the event loop keeps serving other requests and streams meanwhile."""
-        if size < 16384:
-            return fn(*args)
-        # One thread: long texts wait their turn instead of taking every core from the streams.
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+    async def read_json(self, request: Request, model):
+        """The request's body as `model`, and its size in bytes (what decides whether its later
+        work runs off the loop). JSON only: a text/plain or form POST is one a web page may send
+        cross-origin without a CORS preflight, so it is refused (415) before its body is read."""
+        kind = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
+                                f"got {kind or 'no Content-Type'}", "Content-Type")
+        raw = await request.body()
+        limits = {"messages": self.config.max_chat_messages}
+        return await self.off_loop(parse_body, raw, model, limits, size=len(raw)), len(raw)
+
+    async def off_loop(self, fn, *args, size: int, refuse: bool = True):
+        """fn(*args), in the bounded pool when size (the body's bytes) is large (services/router/offload.py)."""
+        return await self.offload.run(fn, *args, size=size, refuse=refuse)
 
     def stream_interval(self, asked: int | None) -> int:
         """Tokens per streamed chunk: --stream-interval, raised (never lowered) by the request's own, as vLLM."""
@@ -172,6 +186,14 @@ class RouterContext:
                               "X-Request-Id")
         return given
 
+    def record_id(self, request: Request, request_id: str) -> str:
+        """The key of a request's record in the shared state: its id under the API key that made
+        it, so that another key's lookup, cancel or reuse of the id never meets it (it gets the
+        404 of an unknown id). '/' cannot appear in an X-Request-Id, so no id can pose as a
+        scoped one; without keys every client shares the one unnamed scope."""
+        key, _ = (request.scope.get("state") or {}).get("api_key", (None, {}))
+        return request_id if key is None else f"{hash_api_key(key)[:32]}/{request_id}"
+
     def admit(self, request: Request) -> Ticket:
         """A generation request's rate limit (per API key) and its place in the bounded queue;
         the key itself was checked by the Guard middleware."""
@@ -182,8 +204,16 @@ class RouterContext:
             if not decision.allowed:
                 raise APIError(429, f"Rate limit reached: {limit} requests per "
                                     f"{self.config.rate_limit_window_s:g} s.",
-                               headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
+                               headers={"Retry-After": str(max(1, math.ceil(decision.retry_after_s)))})
+            request.state.rate_hit = (key, decision.token)
         return self.admission.enter()
+
+    def refund(self, request: Request) -> None:
+        """Give back the rate-limit quota a request took: one the API refused as invalid (a 4xx)
+        never reached an engine, and a client fixing its requests is not throttled for them."""
+        hit = getattr(request.state, "rate_hit", None)
+        if hit is not None:
+            self.state.refund_rate_limit(*hit)
 
     def time_left(self, request: Request) -> float | None:
         """Seconds --request-timeout leaves this request (None: no limit)."""
@@ -252,6 +282,10 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
         request.state.ticket = ticket
         try:
             return await handler(ctx, request)
+        except APIError as e:
+            if 400 <= e.status < 500:
+                ctx.refund(request)
+            raise
         finally:
             if not ticket.owned:   # no Generation started with it (a 4xx, a 503)
                 ticket.release()
@@ -317,28 +351,34 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
         return {rid: s.get("kv", {}) for rid, s in stats}
 
     # ---- request records ---------------------------------------------------------------------
-    def _record(request_id: str) -> dict:
-        record = ctx.state.get_request(request_id)
+    # Records are scoped to the API key that made them (RouterContext.record_id); what leaves is
+    # their public part: the engine's address and the backend ids stay inside.
+    def _record(request: Request, request_id: str) -> tuple[str, dict]:
+        scoped = ctx.record_id(request, request_id)
+        record = ctx.state.get_request(scoped)
         if record is None:
             raise APIError(404, f"no request {request_id!r} (unknown, or its record expired)", "request_id")
-        return record
+        return scoped, record
+
+    def _public(record: dict, request_id: str) -> dict:
+        return {**{k: v for k, v in record.items() if k not in INTERNAL_RECORD_FIELDS}, "request_id": request_id}
 
     @app.get("/v1/requests/{request_id}")
     async def get_request(request_id: str, request: Request):
-        return _record(request_id)
+        return _public(_record(request, request_id)[1], request_id)
 
     async def _cancel(request_id: str, request: Request):
-        record = _record(request_id)
+        scoped, record = _record(request, request_id)
         if record.get("status") != "running":
-            return record
+            return _public(record, request_id)
         client = ctx.backends.client(record["replica_endpoint"])
         try:
             for bid in record.get("backend_ids") or [request_id]:
                 await client.abort(bid)
         except Exception as e:   # SchedulerUnavailable: the replica is gone, and its requests with it
             raise APIError(503, f"could not reach the request's engine: {e}") from None
-        ctx.state.update_request_status(request_id, "cancelled", cancelled_by=ctx.router_id)
-        return _record(request_id)
+        ctx.state.update_request_status(scoped, "cancelled", cancelled_by=ctx.router_id)
+        return _public(_record(request, request_id)[1], request_id)
 
     app.add_api_route("/v1/requests/{request_id}/cancel", _cancel, methods=["POST"])
     app.add_api_route("/v1/requests/{request_id}", _cancel, methods=["DELETE"])

@@ -10,7 +10,7 @@ from pagedserve.services.router.generation import Generation
 from pagedserve.services.guided import spec as specs
 from pagedserve.services.router.constraints import constraint_of
 from pagedserve.services.router.constraints import check as check_constraint
-from pagedserve.services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, parse_body, sampling_params
+from pagedserve.services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, sampling_params
 from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
 from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from pagedserve.services.sampling_params import MAX_LOGPROBS
@@ -20,14 +20,13 @@ if TYPE_CHECKING:
 
 
 async def create_chat_completion(ctx: "RouterContext", request):
-    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    req, size = await ctx.read_json(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     plan = tool_plan(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
-    size = messages_size(req.messages)
     prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
     if not prompt_ids:
         raise bad_request("the rendered prompt is empty", "messages")
@@ -47,7 +46,8 @@ async def create_chat_completion(ctx: "RouterContext", request):
     request_id = ctx.new_request_id(request, "chatcmpl")
     gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
                      stream=bool(req.stream), true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval))
+                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
+                     record_id=ctx.record_id(request, request_id))
     await gen.start()
     fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
                         (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
@@ -76,11 +76,6 @@ def _text(content) -> str:
     if isinstance(content, list):
         return "\n".join(p.text or "" for p in content)     # as vLLM joins text parts
     return content or ""
-
-
-def messages_size(messages) -> int:
-    """Characters the template will be given: long chats are tokenized off the event loop."""
-    return sum(len(_text(m.content)) for m in messages)
 
 
 def echo_of(req: ChatCompletionRequest) -> str:

@@ -9,7 +9,7 @@ from pagedserve.services.router.constraints import check as check_constraint
 from pagedserve.services.router.constraints import constraint_of
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.generation import Generation
-from pagedserve.services.router.openai_schema import CompletionRequest, parse_body, sampling_params
+from pagedserve.services.router.openai_schema import CompletionRequest, sampling_params
 from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 
 if TYPE_CHECKING:
@@ -17,12 +17,11 @@ if TYPE_CHECKING:
 
 
 async def create_completion(ctx: "RouterContext", request):
-    req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+    req, size = await ctx.read_json(request, CompletionRequest)
     ctx.check_model(req.model)
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     items = prompt_items(req.prompt)
-    size = sum(len(p) for p in items if isinstance(p, str))
     prompts = await ctx.off_loop(tokenize_prompts, ctx, items, req.add_special_tokens, size=size)
     # Echo with max_tokens 0 scores the prompt (what evaluation harnesses send): the engine makes
     # one token, which nobody sees.
@@ -42,7 +41,8 @@ async def create_completion(ctx: "RouterContext", request):
     request_id = ctx.new_request_id(request, "cmpl")
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
                      stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval))
+                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
+                     record_id=ctx.record_id(request, request_id))
     await gen.start()
     # The prompt as sent; token prompts as their text, special tokens included.
     echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \

@@ -9,7 +9,8 @@ render the first output token as it reads in context.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+
+from pagedserve.services.router.lru_bytes import BytesLRU
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 5   # prompt ids kept as left context (vLLM uses 5 too)
@@ -68,11 +69,12 @@ class TokenTexts:
     their bytes (chat logprobs' "bytes"); cached per id. A token that holds only part of a
     character has no text of its own: "" as vLLM shows it, not U+FFFD; its bytes are its own."""
 
-    def __init__(self, decode, tokenizer=None):
+    def __init__(self, decode, tokenizer=None, max_bytes: int = 16 << 20):
         self._decode = decode
         self._tokenizer = tokenizer
-        self.text = lru_cache(maxsize=65536)(self._one)
-        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+        # Bounded in bytes (--token-text-cache-mb, split between the two), exported as metrics.
+        self.text = BytesLRU(max_bytes // 2, self._one)
+        self.bytes = BytesLRU(max_bytes // 2, self._bytes)
 
     def _one(self, token_id: int) -> str:
         text = self._decode([token_id], False)

@@ -41,8 +41,9 @@ class Generation:
     def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
                  params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
                  stream: bool = True, score_only: bool = False, true_output_len: int | None = None,
-                 ticket: Ticket | None = None, stream_interval: int = 1):
+                 ticket: Ticket | None = None, stream_interval: int = 1, record_id: str | None = None):
         self.ctx = ctx
+        self.record_id = record_id or request_id     # its record's key, scoped to its API key
         self.ticket = ticket                 # the router's queue place, given back at the first token
         self.true_output_len = true_output_len
         # Nobody reads a non-streamed request's text before its end, and without stop strings
@@ -101,9 +102,10 @@ class Generation:
     async def start(self) -> None:
         ctx = self.ctx
         if self.ticket is not None:
-            self.ticket.charge(self.num_prompt_tokens)    # 503 when the queued tokens are over the limit
+            # 503 when the queued sequences or tokens would pass their limits
+            self.ticket.charge(self.num_prompt_tokens, len(self.prompts) * max(self.params.n, self.params.beam_width))
         client = ctx.backends.pick(self.prompts[0])
-        if not ctx.state.put_request(self.request_id, ctx.router_id, client.endpoint, "running",
+        if not ctx.state.put_request(self.record_id, ctx.router_id, client.endpoint, "running",
                                      backend_ids=self.backend_ids, kind=self.kind, model=ctx.model_name):
             raise APIError(409, f"request id {self.request_id!r} is already in use", "X-Request-Id")
         self.client = client
@@ -314,7 +316,7 @@ class Generation:
         if error is None:
             self._record_finished()
         try:
-            ctx.state.update_request_status(self.request_id, status, finish_reasons=reasons,
+            ctx.state.update_request_status(self.record_id, status, finish_reasons=reasons,
                                             num_prompt_tokens=self.num_prompt_tokens,
                                             num_generated_tokens=generated,
                                             error=error.message if error else None)

@@ -7,16 +7,21 @@ A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap every streamed
   Keys given on the command line are compared in constant time (every configured key is compared,
   a mismatch takes as long as a match); keys kept in Redis (--require-api-key) are found by the
   SHA-256 of the key, which tells an attacker nothing about any key.
+- 401s are counted per client address: past --auth-failure-limit in a --rate-limit-window, that
+  address gets 429 on /v1/* before any key it sends is checked.
 - A body over --max-request-body-mb is a 413 before any of it is parsed: at once from
   Content-Length, or as soon as a chunked body passes the limit.
+- Every refusal here drains what is left of the body, within bounds, before it answers (_drain).
 The key that passed is left in scope["state"]["api_key"] for the rate limit of the routes that count.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import logging
+import math
 
 from pagedserve.services.router.errors import error_body
 
@@ -34,6 +39,7 @@ class Guard:
         self.auth_required = config.auth_required
         self.digests = [key_digest(k) for k in config.api_keys]
         self.use_store = config.require_api_key
+        self.failure_limit, self.window_s = config.auth_failure_limit, config.rate_limit_window_s
         self.state = state
 
     async def __call__(self, scope, receive, send):
@@ -41,21 +47,33 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.auth_required and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS":
+            # Throttled before the key is looked at: past the limit a right key is refused too,
+            # so a guesser learns nothing from its guesses (clients behind one proxy share its address).
+            throttle = f"auth-failures:{(scope.get('client') or ('?',))[0]}"
+            if self.failure_limit:
+                blocked = self.state.hit_rate_limit(throttle, self.failure_limit, self.window_s, count=False)
+                if not blocked.allowed:
+                    self.on_error(429)
+                    wait = max(1, math.ceil(blocked.retry_after_s))
+                    return await _refuse(scope, receive, send, 429, f"Too many requests with a wrong or missing "
+                                         f"API key from this address; retry in {wait} s.", {"Retry-After": str(wait)})
             key = self._bearer(scope)
             info = self._check(key) if key else None
             if info is None:
+                if self.failure_limit:
+                    self.state.hit_rate_limit(throttle, self.failure_limit, self.window_s)
                 self.on_error(401)
                 why = "Incorrect API key provided." if key else "Missing API key: send 'Authorization: Bearer <key>'."
-                return await _answer(send, 401, why, {"WWW-Authenticate": "Bearer"})
+                return await _refuse(scope, receive, send, 401, why, {"WWW-Authenticate": "Bearer"})
             scope.setdefault("state", {})["api_key"] = (key, info)
         length = _header(scope, b"content-length")
         if length is not None:
             if not length.isdigit():
                 self.on_error(400)
-                return await _answer(send, 400, "Content-Length is not a number")
+                return await _answer(send, 400, "Content-Length is not a number", close=True)
             if int(length) > self.max_body:
                 self.on_error(413)
-                return await _answer(send, 413, self._too_large(int(length)))
+                return await _refuse(scope, receive, send, 413, self._too_large(int(length)))
             return await self.app(scope, receive, send)
         return await self._counted(scope, receive, send)
 
@@ -86,7 +104,8 @@ class Guard:
             size += len(message.get("body", b""))
             if size > self.max_body:
                 self.on_error(413)
-                return await _answer(send, 413, self._too_large())
+                return await _refuse(scope, receive, send, 413, self._too_large(),
+                                      drained=not message.get("more_body"))
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
@@ -109,11 +128,49 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-async def _answer(send, status: int, message: str, headers: dict | None = None) -> None:
+# A refused request's body still on its way is read and dropped up to these bounds before the
+# answer: http.client (and others) send the whole body before they read, and a server that closes
+# on unread data sends them a connection reset instead of its 413 or 401. Past the bounds the
+# connection is closed: an unauthenticated client never makes the router read a huge body.
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 10.0
+
+
+async def _refuse(scope, receive, send, status: int, message: str, headers: dict | None = None,
+                  drained: bool = False) -> None:
+    """Answer before the route reads the body (drained: it has been read to its end already)."""
+    await _answer(send, status, message, headers, close=not (drained or await _drain(scope, receive)))
+
+
+async def _drain(scope, receive) -> bool:
+    """Read and drop the request's body, within the bounds; whether it was read to its end."""
+    if (_header(scope, b"expect") or "").lower() == "100-continue":
+        return False              # the client waits for our word before it sends: close, it sends nothing
+    length = _header(scope, b"content-length")
+    if (length is None and _header(scope, b"transfer-encoding") is None) or length == "0":
+        return True               # no body
+    if length is not None and (not length.isdigit() or int(length) > DRAIN_BYTES):
+        return False
+    read = 0
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while read <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return False
+                read += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    return True
+    except TimeoutError:
+        pass
+    return False
+
+
+async def _answer(send, status: int, message: str, headers: dict | None = None, close: bool = False) -> None:
     body = json.dumps(error_body(status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    if status == 413:
+    if close:
         raw.append((b"connection", b"close"))    # the rest of the body is not read
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})

@@ -141,6 +141,8 @@ class RouterMetrics:
                                             ["model_name"], registry=reg).labels(model_name)
         self.engines = EngineCollector(model_name)
         reg.register(self.engines)
+        self.router = RouterCollector(model_name)
+        reg.register(self.router)
 
     def seen(self, engine: str) -> _Seen:
         s = self._seen.get(engine)
@@ -229,6 +231,37 @@ SCHEDULER_COUNTERS = (
     ("swap_ins", "pagedserve:swap_ins", "Requests swapped back in."),
     ("recomputed_tokens", "pagedserve:recomputed_tokens", "Tokens dropped by a preemption, to compute again."),
 )
+
+
+class RouterCollector:
+    """The router's own memory and work in flight, read at scrape time: the size of each cache
+    (bytes and entries; each is bounded in bytes) and the large bodies in the offload pool."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.caches: dict = {}          # name -> a cache with .bytes and len()
+        self.offload = None             # services/router/offload.py's Offload: .pending
+
+    def watch(self, caches: dict, offload=None) -> None:
+        self.caches.update(caches)
+        self.offload = offload if offload is not None else self.offload
+
+    def collect(self):
+        size = GaugeMetricFamily("pagedserve:router_cache_bytes", "Estimated bytes held by each of the "
+                                 "router's caches.", labels=["model_name", "cache"])
+        entries = GaugeMetricFamily("pagedserve:router_cache_entries", "Entries held by each of the router's "
+                                    "caches.", labels=["model_name", "cache"])
+        for name, cache in sorted(self.caches.items()):
+            size.add_metric([self.model_name, name], cache.bytes)
+            entries.add_metric([self.model_name, name], len(cache))
+        yield size
+        yield entries
+        if self.offload is not None:
+            pending = GaugeMetricFamily("pagedserve:router_offload_pending", "Large request bodies being "
+                                        "parsed, rendered or tokenized off the event loop, or waiting for a "
+                                        "thread.", labels=["model_name"])
+            pending.add_metric([self.model_name], self.offload.pending)
+            yield pending
 
 
 class EngineCollector:

@@ -156,8 +156,9 @@ def openapi_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape."""
+def parse_body(raw: bytes, model: type[BaseModel], max_items: dict[str, int] | None = None) -> Any:
+    """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape. max_items
+    bounds the length of top-level lists (messages), checked before the costly validation."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -169,6 +170,16 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise bad_request(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object")
+    for name, most in (max_items or {}).items():
+        if isinstance(data.get(name), list) and len(data[name]) > most:
+            raise bad_request(f"{name} holds {len(data[name])} items; at most {most} are accepted", name)
+    # The JSON escape \ud800 decodes to a str that no later step can encode (a 500, or a garbled
+    # error message): refused here, for every field at once.
+    bad = _lone_surrogate_at(data) if _LONE_SURROGATE.search(raw) else None
+    if bad is not None:
+        where = f"'{bad}'" if bad else "a field name"
+        raise bad_request(f"{where} holds a lone surrogate (\\ud800-\\udfff without its pair); it is not "
+                          f"valid Unicode", bad or None)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -191,6 +202,38 @@ def _depth_exceeds(raw: bytes, data, limit: int) -> bool:
         children = node.values() if isinstance(node, dict) else node
         todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return False
+
+
+# A surrogate can only come from a \\uD800-\\uDFFF escape (UTF-8 bytes of one do not decode):
+# bodies without one need no walk.
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_at(data: dict) -> str | None:
+    """The top-level field (stop, messages) in which a key or string holds an unpaired surrogate;
+    None when none does. Iterative: a wide body costs no recursion."""
+    for field, value in data.items():
+        if not _encodes(field):
+            return ""
+        todo = [value]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, str) and not _encodes(node):
+                return field
+            if isinstance(node, dict):
+                todo.extend(node.keys())
+                todo.extend(node.values())
+            elif isinstance(node, list):
+                todo.extend(node)
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|literal\[.*|function-.*|[A-Z]\w*)$")

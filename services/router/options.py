@@ -38,14 +38,29 @@ class RouterOptions:
                               check=lambda keys: all(keys) or "an API key may not be empty")
     require_api_key: bool = opt(False, "ask for an API key even without --api-key (keys kept in Redis)")
     rate_limit: int | None = opt(None, "requests per window per API key (429 beyond it)", check=at_least(1))
-    rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window", flag="--rate-limit-window",
-                                     check=positive)
-    max_queued_requests: int | None = opt(None, "requests a router holds that have not started (503 with "
-                                                "Retry-After beyond it, before tokenizing)", check=at_least(1))
+    auth_failure_limit: int | None = opt(60, "requests with a wrong or missing API key one client address may "
+                                             "send per rate-limit window; beyond it that address gets 429 on "
+                                             "/v1/* (its keys unchecked) until the window has passed",
+                                         check=at_least(1))
+    rate_limit_window_s: float = opt(60.0, "seconds of the rate-limit window (an exact sliding window)",
+                                     flag="--rate-limit-window", check=positive)
+    max_queued_requests: int | None = opt(None, "sequences (prompts x n) a router holds that have not started "
+                                                "(503 with Retry-After beyond it; a request alone larger is a 400)",
+                                          check=at_least(1))
     max_queued_tokens: int | None = opt(None, "prompt tokens of the requests a router holds that have not "
                                               "started (503 with Retry-After beyond it)", check=at_least(1))
     max_request_body_mb: float = opt(16.0, "the largest request body in MiB (413 beyond it, before parsing)",
                                      check=positive)
+    # Work that grows with a body (parsing, chat templates, tokenizing) runs in a bounded pool, off
+    # the event loop (services/router/offload.py).
+    offload_threads: int = opt(1, "threads that parse, render and tokenize large request bodies off the "
+                                  "event loop", check=at_least(1))
+    offload_queue: int = opt(16, "large request bodies that may wait for an offload thread (503 with "
+                                 "Retry-After beyond it)", check=at_least(0))
+    max_chat_messages: int = opt(4096, "messages a chat request or /tokenize body may hold (400 beyond it, "
+                                       "before they are validated or rendered)", check=at_least(1))
+    token_text_cache_mb: float = opt(16.0, "MiB of single-token texts and bytes a router keeps for logprobs "
+                                           "(the least recently used go first)", check=positive)
     request_timeout_s: float | None = opt(None, "seconds a request may take in all; then it is aborted, its "
                                                 "blocks freed, and it ends with a 504", flag="--request-timeout",
                                           check=positive)

@@ -63,6 +63,18 @@ def prompt_logprobs_json(gen: Generation, p: int, text) -> list | None:
     return out
 
 
+# Bytes of JSON per token in an answer, roughly: its text, and each logprob entry.
+TOKEN_JSON_BYTES = 48
+
+
+def answer_size(gen: Generation) -> int:
+    """A non-streamed answer's JSON in bytes, estimated from its tokens and logprobs."""
+    per_token = 1 + (gen.params.logprobs or 0)
+    prompt = sum(len(p) for p, lp in zip(gen.prompts, gen.prompt_logprobs) if lp is not None) * \
+        (1 + (gen.params.prompt_logprobs or 0))
+    return TOKEN_JSON_BYTES * (sum(len(c.token_ids) for c in gen.all_choices) * per_token + prompt)
+
+
 def running_usage(gen: Generation, index: int, done: int) -> dict:
     """vLLM's continuous_usage_stats: one choice's usage up to a chunk (its prompt, and its tokens
     up to that chunk's: none yet for the chunks before the first token, the role, the echo)."""
@@ -84,7 +96,9 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
             finally:
                 watcher.cancel()
             gen.close()
-            return JSONResponse(fmt.final(), headers=headers)
+            # Built and encoded off the loop when large; the generation is over, nothing changes it.
+            return await gen.ctx.off_loop(lambda: JSONResponse(fmt.final(), headers=headers),
+                                          size=answer_size(gen), refuse=False)
         first = await anext(events, None)
     except ClientDisconnected:
         watcher.cancel()
