@@ -244,6 +244,11 @@ class ExecuteStep:
     prompt_logprobs: dict = field(default_factory=dict)
 
 
+# SampleResult.token_id of a draw not made: its grammar is still compiling. The scheduler takes the
+# step's last token back (computes it again next step) and the request waits; the others go on.
+WAITS_FOR_GRAMMAR = -2
+
+
 @dataclass(slots=True)
 class SampleResult:
     """One draw from a step's logits (the worker's answer for one wanted sample)."""

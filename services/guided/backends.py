@@ -92,6 +92,10 @@ class XGrammarBackend:
         except Exception as e:   # xgrammar raises RuntimeError / ValueError / its own types
             raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
 
+    def size_of(self, compiled: Any) -> int:
+        """Bytes the compiled form holds (xgrammar's own count: its token masks dominate)."""
+        return compiled[0].memory_size_bytes
+
     def matcher(self, compiled: Any):
         grammar, is_json = compiled
         return _XMatcher(self._xgr.GrammarMatcher(grammar), is_json)
@@ -148,6 +152,10 @@ class GuidanceBackend:
         if error:
             raise GrammarError(f"the {kind} constraint does not compile: {_message(error)}")
         return grammar   # llguidance builds its parser lazily: the checked grammar is the compiled form
+
+    def size_of(self, compiled: Any) -> int:
+        """The checked grammar is what is kept (its parser is built per matcher, lazily)."""
+        return len(compiled.encode())
 
     def matcher(self, compiled: Any):
         return self._llg.LLMatcher(self.tokenizer, compiled, log_level=0)

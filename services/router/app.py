@@ -80,7 +80,7 @@ class RouterContext:
                                    on_reject=self.metrics.admission_rejected)
         self.grammar_cache = CompileCache(
             lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
-            config.grammar_cache_size)
+            **CompileCache.bounds_of(config))
         self.structured_backend = config.structured_outputs_backend
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------

@@ -3,9 +3,14 @@ allowed-token bitmask. Owned by WorkerCore (rank 0, which samples); no I/O.
 
 - Constraints compile on the cache's thread (services/guided/cache.py) from the moment their params
   arrive (`prepare`), so a new schema's compile overlaps the forward pass of the step that first
-  samples it; a constraint compiled before (by its hash) costs nothing.
+  samples it; a constraint compiled before (by its hash) costs nothing. A step never waits for a
+  compile past its forward pass (and GRACE_S of the compile's own start): a row whose grammar is
+  not ready is not drawn (protocol.WAITS_FOR_GRAMMAR) and its request waits for a later step, while
+  the others go on. A step that waited on a 100,000-value enum's compile (44 s) sent no heartbeat
+  tick and the supervisor restarted the worker, failing every running request. A compile still
+  running after the cache's deadline holds its rows to EOS, as one that failed.
 - `start_masks` fills the step's bitmask on a thread of its own while the forward pass runs (the
-  matchers already hold every token sampled so far) and returns a Future of (rows, bitmask): one
+  matchers already hold every token sampled so far) and returns StepMasks of (rows, bitmask): one
   int32 [G, ceil(V/32)] tensor for the G guided rows only; unguided rows pay nothing.
 - A matcher is made when its sequence first samples (each of a request's n samples gets its own,
   from the same compiled grammar), advances with each token sampled for it (`advance`), and lives
@@ -18,17 +23,23 @@ allowed-token bitmask. Owned by WorkerCore (rank 0, which samples); no I/O.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.services.guided.backends import GrammarError, bitmask_width, make_backend
-from pagedserve.services.guided.cache import DEFAULT_CAPACITY, CompileCache
+from pagedserve.services.guided.cache import CompileCache
 from pagedserve.services.steps import SampleRequest
 
 log = logging.getLogger("pagedserve.worker")
+
+# A compile that started less than this ago may hold the step past its forward pass: a small
+# schema (4-16 ms) is then drawn in the step whose params brought it, not one step later.
+GRACE_S = 0.1
+POLL_S = 0.005
 
 
 @dataclass
@@ -40,10 +51,10 @@ class _Guided:
 
 
 class Guides:
-    def __init__(self, load_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, load_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], **cache_bounds):
         """load_tokenizer() -> the model's Hugging Face tokenizer, called once, when the first
-        constraint arrives (a worker that never sees one never loads it)."""
+        constraint arrives (a worker that never sees one never loads it); cache_bounds go to
+        CompileCache (capacity, max_bytes, limits)."""
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.width = bitmask_width(vocab_size)
@@ -54,7 +65,7 @@ class Guides:
                 tokenizer.append(load_tokenizer())
             return make_backend(name, tokenizer[0], vocab_size, self.eos_token_ids)
 
-        self.cache = CompileCache(factory, capacity)
+        self.cache = CompileCache(factory, **cache_bounds)
         self.seqs: dict[int, _Guided] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self.mask_seconds = 0.0       # spent filling masks (on the mask thread, beside the forward)
@@ -64,12 +75,13 @@ class Guides:
         """New params carry this constraint: start compiling it now."""
         self.cache.submit(constraint)
 
-    def start_masks(self, reqs: list[SampleRequest]) -> Future | None:
-        """The bitmask of the guided rows among reqs (one row per req), computed on the mask thread."""
+    def start_masks(self, reqs: list[SampleRequest]) -> "StepMasks | None":
+        """The bitmask of the guided rows among reqs (one row per req), computed on the mask thread;
+        its result() (called once the forward is done) is (rows, bitmask, rows that wait)."""
         rows = [j for j, r in enumerate(reqs) if r.params.structured_outputs is not None]
         if not rows:
             return None
-        return self._pool.submit(self._masks, [reqs[j] for j in rows], rows)
+        return StepMasks(self._pool, self._masks, [reqs[j] for j in rows], rows)
 
     def advance(self, reqs: list[SampleRequest], token_ids: list[int]) -> None:
         """Each guided row's matcher takes the token sampled for it."""
@@ -103,12 +115,18 @@ class Guides:
         self.cache.close()
 
     # ---- on the mask thread ------------------------------------------------------------------
-    def _masks(self, reqs: list[SampleRequest], rows: list[int]) -> tuple[list[int], torch.Tensor]:
+    def _masks(self, reqs: list[SampleRequest], rows: list[int], forward_done: threading.Event
+               ) -> tuple[list[int], torch.Tensor, list[int]]:
         start = time.perf_counter()
         bitmask = torch.zeros(len(reqs), self.width, dtype=torch.int32)   # [G, ceil(V/32)]
         by_backend: dict[int, tuple] = {}
+        waiting = []
         for i, r in enumerate(reqs):
-            g = self._matcher(r)
+            g = self._matcher(r, forward_done)
+            if g is None:                  # its grammar compiles: not drawn (EOS keeps the row samplable)
+                waiting.append(rows[i])
+                self._allow_eos(bitmask, i)
+                continue
             if g.matcher is None or g.backend.is_finished(g.matcher):
                 self._allow_eos(bitmask, i)
                 continue
@@ -119,9 +137,18 @@ class Guides:
             backend.fill(matchers, bitmask, idx)
         self.mask_seconds += time.perf_counter() - start
         self.mask_rows += len(reqs)
-        return rows, bitmask
+        return rows, bitmask, waiting
 
-    def _matcher(self, r: SampleRequest) -> _Guided:
+    def _ready(self, c: dict, forward_done: threading.Event) -> Future | None:
+        """The constraint's compile, once done; None when the step should not wait for it."""
+        fut = self.cache.submit(c)
+        while not fut.done():
+            if forward_done.is_set() and self.cache.compiling_for(c) >= GRACE_S:
+                return None
+            wait([fut], POLL_S)
+        return fut
+
+    def _matcher(self, r: SampleRequest, forward_done: threading.Event) -> _Guided | None:
         g = self.seqs.get(r.seq_id)
         num_output = len(r.output_token_ids)
         if g is not None and g.consumed == num_output:
@@ -129,7 +156,14 @@ class Guides:
         c = r.params.structured_outputs
         backend = self.cache.backend(c["backend"])
         try:
-            compiled = self.cache.submit(c).result()
+            fut = self._ready(c, forward_done)
+            if fut is None:
+                if self.cache.compiling_for(c) <= self.cache.limits.compile_timeout_s:
+                    self.seqs.pop(r.seq_id, None)   # a stale state must not take this row's draw
+                    return None
+                raise GrammarError(f"the {c['kind']} constraint did not compile within "
+                                   f"{self.cache.limits.compile_timeout_s:g} s")
+            compiled = fut.result()
         except GrammarError as e:   # the router compiles first: only a direct client gets here
             log.warning("seq %d: %s; its output is held to EOS", r.seq_id, e)
             g = self.seqs[r.seq_id] = _Guided(backend, None, num_output, r.params_key)
@@ -152,6 +186,19 @@ class Guides:
         for t in self.eos_token_ids:
             if t < self.vocab_size:
                 bitmask[row, t // 32] |= _bit(t % 32)
+
+
+class StepMasks:
+    """One step's masks, filling on the mask thread while the forward runs. result() says the
+    forward is done: from then on the mask thread waits for no compile older than GRACE_S."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fill, reqs: list[SampleRequest], rows: list[int]):
+        self._forward_done = threading.Event()
+        self._future = pool.submit(fill, reqs, rows, self._forward_done)
+
+    def result(self) -> tuple[list[int], torch.Tensor, list[int]]:
+        self._forward_done.set()
+        return self._future.result()
 
 
 def _bit(i: int) -> int:
