@@ -268,6 +268,9 @@ class StepResult:
     # For the chunks of ExecuteStep.prompt_logprobs: {seq_id: [start position, entries]}, an entry
     # [logprob, rank, [[id, logprob], ...]] per position whose next prompt token it scores.
     prompt_logprobs: dict = field(default_factory=dict)
+    # Bytes of the worker's compiled grammars (services/guided/cache.py), for the metrics: carried
+    # by every step rather than asked for, so that no stats call comes between a step and its reply.
+    grammar_cache_bytes: int = 0
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

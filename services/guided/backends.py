@@ -82,15 +82,28 @@ class XGrammarBackend:
             raise GrammarError(f"the json constraint uses what the xgrammar backend does not enforce: {why}")
         try:
             if kind in ("json", "json_object"):
-                return self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
-                                                         separators=COMPACT, strict_mode=True), True
-            if kind == "regex":
-                return self.compiler.compile_regex(spec), False
-            if kind == "choice":
-                return self.compiler.compile_grammar(_choice_ebnf(spec)), False
-            return self.compiler.compile_grammar(spec), False
+                compiled = self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
+                                                             separators=COMPACT, strict_mode=True), True
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(spec), False
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar(_choice_ebnf(spec)), False
+            else:
+                compiled = self.compiler.compile_grammar(spec), False
         except Exception as e:   # xgrammar raises RuntimeError / ValueError / its own types
             raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
+        if self._empty(compiled[0]):
+            raise GrammarError(f"the {kind} constraint matches no text at all (its language is empty)")
+        return compiled
+
+    def _empty(self, grammar) -> bool:
+        """No first token allowed and nothing to end on: `root ::= x`, `x ::= x "a"` compiled, and
+        every token was refused until max_tokens (issue 28, finding 8). A dead end further in is
+        the worker's to end (guides.py)."""
+        m = self._xgr.GrammarMatcher(grammar)
+        bitmask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
+        m.fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())
 
     def size_of(self, compiled: Any) -> int:
         """Bytes the compiled form holds (xgrammar's own count: its token masks dominate)."""

@@ -81,6 +81,7 @@ class RouterContext:
         self.grammar_cache = CompileCache(
             lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
             **CompileCache.bounds_of(config))
+        self.metrics.grammar_cache_bytes.set_function(lambda: self.grammar_cache.bytes)
         self.structured_backend = config.structured_outputs_backend
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------

@@ -32,9 +32,11 @@ import torch
 
 from pagedserve.services.guided.backends import GrammarError, bitmask_width, make_backend
 from pagedserve.services.guided.cache import CompileCache
+from pagedserve.services.log_limit import LimitedLog
 from pagedserve.services.steps import SampleRequest
 
 log = logging.getLogger("pagedserve.worker")
+warn = LimitedLog(log)        # these repeat per token or per sequence: at most one a kind per 10 s
 
 # A compile that started less than this ago may hold the step past its forward pass: a small
 # schema (4-16 ms) is then drawn in the step whose params brought it, not one step later.
@@ -92,7 +94,7 @@ class Guides:
             g.consumed += 1
             if g.matcher is not None and not g.backend.accept(g.matcher, t):
                 # Only a token the mask allowed can be sampled; this would be an engine bug.
-                log.warning("seq %d: the grammar refused sampled token %d", r.seq_id, t)
+                warn.warning("refused", "seq %d: the grammar refused sampled token %d", r.seq_id, t)
 
     def forget(self, keys) -> None:
         """Drop the matchers of these requests (by params key): they finished or were aborted."""
@@ -107,7 +109,8 @@ class Guides:
 
     def stats(self) -> dict:
         return {"guided_seqs": len(self.seqs), "grammar_mask_s": self.mask_seconds, "grammar_mask_rows": self.mask_rows,
-                "grammar_compiled": len(self.cache), "grammar_cache_hits": self.cache.hits,
+                "grammar_compiled": len(self.cache), "grammar_cache_bytes": self.cache.bytes,
+                "grammar_cache_hits": self.cache.hits,
                 "grammar_cache_misses": self.cache.misses}
 
     def close(self) -> None:
@@ -135,6 +138,7 @@ class Guides:
             entry[2].append(i)
         for backend, matchers, idx in by_backend.values():
             backend.fill(matchers, bitmask, idx)
+        self._end_dead_rows(reqs, bitmask, [i for _, _, idx in by_backend.values() for i in idx])
         self.mask_seconds += time.perf_counter() - start
         self.mask_rows += len(reqs)
         return rows, bitmask, waiting
@@ -165,22 +169,35 @@ class Guides:
                                    f"{self.cache.limits.compile_timeout_s:g} s")
             compiled = fut.result()
         except GrammarError as e:   # the router compiles first: only a direct client gets here
-            log.warning("seq %d: %s; its output is held to EOS", r.seq_id, e)
+            warn.warning("no grammar", "seq %d: %s; its output is held to EOS", r.seq_id, e)
             g = self.seqs[r.seq_id] = _Guided(backend, None, num_output, r.params_key)
             return g
         matcher = backend.matcher(compiled)
         if num_output and not r.has_history:
-            log.warning("seq %d: its grammar state is lost and the step has no tokens to rebuild it from; "
-                        "its output is held to EOS", r.seq_id)
+            warn.warning("lost", "seq %d: its grammar state is lost and the step has no tokens to rebuild it "
+                         "from; its output is held to EOS", r.seq_id)
             matcher = None
         elif num_output:   # rebuilt from the tokens (a recompute, or a worker that lost the state)
             for t in r.output_token_ids:
                 if not backend.accept(matcher, t):
-                    log.warning("seq %d: its tokens do not follow its grammar; held to EOS", r.seq_id)
+                    warn.warning("off grammar", "seq %d: its tokens do not follow its grammar; held to EOS", r.seq_id)
                     matcher = None
                     break
         g = self.seqs[r.seq_id] = _Guided(backend, matcher, num_output, r.params_key)
         return g
+
+    def _end_dead_rows(self, reqs: list[SampleRequest], bitmask: torch.Tensor, filled: list[int]) -> None:
+        """A row whose grammar allows no token at all (a dead end: `root ::= "a" x`, `x ::= x "b"`)
+        is held to EOS. Sampled from a mask of nothing, it drew a token the grammar refused, every
+        step until max_tokens, and each was counted as output (issue 28, finding 8)."""
+        if not filled:
+            return
+        idx = torch.tensor(filled, dtype=torch.long)
+        for i in idx[(bitmask[idx] == 0).all(dim=1)].tolist():
+            warn.warning("dead end", "seq %d: its grammar allows no next token; its output is held to EOS",
+                         reqs[i].seq_id)
+            self.seqs[reqs[i].seq_id].matcher = None
+            self._allow_eos(bitmask, i)
 
     def _allow_eos(self, bitmask: torch.Tensor, row: int) -> None:
         for t in self.eos_token_ids:

@@ -187,7 +187,8 @@ class WorkerService:
                 self.guides.forget(msg.dropped_params)
         self.steps_run += 1
         return protocol.StepResult(msg.step, results, error, time.perf_counter() - start,
-                                   prompt_logprobs if error is None else {})
+                                   prompt_logprobs if error is None else {},
+                                   self.guides.cache.bytes if self.guides is not None else 0)
 
     def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]],
                  prompt_logprobs: dict) -> list[SampleResult]:
