@@ -146,8 +146,9 @@ class Guides:
     def _ready(self, c: dict, forward_done: threading.Event) -> Future | None:
         """The constraint's compile, once done; None when the step should not wait for it."""
         fut = self.cache.submit(c)
+        since = time.monotonic() - self.cache.compiling_for(c)   # read once: an entry may be evicted meanwhile
         while not fut.done():
-            if forward_done.is_set() and self.cache.compiling_for(c) >= GRACE_S:
+            if forward_done.is_set() and time.monotonic() - since >= GRACE_S:
                 return None
             wait([fut], POLL_S)
         return fut
