@@ -151,16 +151,18 @@ EMPTY = 'root ::= x\nx ::= x "a"'
 DEAD_END = 'root ::= "a" x\nx ::= x "b"'
 
 
-def test_a_grammar_with_an_empty_language_is_a_400(tokenizer):
+@pytest.mark.parametrize("backend", specs.BACKENDS)
+def test_a_grammar_with_an_empty_language_is_a_400(tokenizer, backend):
     """Finding 8: it compiled, and every token was refused until max_tokens."""
     from pagedserve.services.router.constraints import check
     from pagedserve.services.router.errors import APIError
     cache = CompileCache(lambda name: make_backend(name, tokenizer, 2048, (2,)))
     try:
         with pytest.raises(APIError) as e:
-            asyncio.run(check(cache, specs.make("grammar", EMPTY), "guided_grammar"))
+            asyncio.run(check(cache, specs.make("grammar", EMPTY, backend), "guided_grammar"))
         assert e.value.status == 400 and "empty" in str(e.value)
-        cache.compile(specs.make("grammar", 'root ::= "a"'))      # a language of one word is not empty
+        for fine in ('root ::= "a"', 'root ::= ""'):     # one word, or only the empty text: not empty
+            cache.compile(specs.make("grammar", fine, backend))
     finally:
         cache.close()
 

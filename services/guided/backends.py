@@ -164,7 +164,16 @@ class GuidanceBackend:
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise GrammarError(f"the {kind} constraint does not compile: {_message(error)}")
+        if self._empty(grammar):
+            raise GrammarError(f"the {kind} constraint matches no text at all (its language is empty)")
         return grammar   # llguidance builds its parser lazily: the checked grammar is the compiled form
+
+    def _empty(self, grammar) -> bool:
+        """llguidance stops a matcher whose first mask is empty: stopped, and not accepting (an
+        empty language; `root ::= ""` is accepting), as xgrammar's check (XGrammarBackend._empty)."""
+        m = self.matcher(grammar)
+        self.fill([m], torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32), [0])
+        return m.is_stopped() and not m.is_accepting()
 
     def size_of(self, compiled: Any) -> int:
         """The checked grammar is what is kept (its parser is built per matcher, lazily)."""
