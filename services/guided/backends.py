@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.guided.productive import language_is_empty
+
 COMPACT = (",", ":")
 ANY_OBJECT = '{"type": "object"}'
 
@@ -97,9 +99,13 @@ class XGrammarBackend:
         return compiled
 
     def _empty(self, grammar) -> bool:
-        """No first token allowed and nothing to end on: `root ::= x`, `x ::= x "a"` compiled, and
-        every token was refused until max_tokens (issue 28, finding 8). A dead end further in is
-        the worker's to end (guides.py)."""
+        """`root ::= x`, `x ::= x "a"` compiled, and every token was refused until max_tokens
+        (issue 28, finding 8). The productive-rules test (productive.py) finds it wherever the
+        grammar dead-ends; where it cannot read the grammar, a first mask with no token allowed
+        and nothing to end on does (a dead end further in is then the worker's to end, guides.py)."""
+        known = language_is_empty(grammar.grammar.serialize_json())
+        if known is not None:
+            return known
         m = self._xgr.GrammarMatcher(grammar)
         bitmask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
         m.fill_next_token_bitmask(bitmask)
