@@ -94,18 +94,21 @@ class XGrammarBackend:
                 compiled = self.compiler.compile_grammar(spec), False
         except Exception as e:   # xgrammar raises RuntimeError / ValueError / its own types
             raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
-        if self._empty(compiled[0]):
+        if self._empty(compiled[0], spec if kind == "grammar" else None):
             raise GrammarError(f"the {kind} constraint matches no text at all (its language is empty)")
         return compiled
 
-    def _empty(self, grammar) -> bool:
+    def _empty(self, grammar, ebnf: str | None) -> bool:
         """`root ::= x`, `x ::= x "a"` compiled, and every token was refused until max_tokens
-        (issue 28, finding 8). The productive-rules test (productive.py) finds it wherever the
-        grammar dead-ends; where it cannot read the grammar, a first mask with no token allowed
-        and nothing to end on does (a dead end further in is then the worker's to end, guides.py)."""
-        known = language_is_empty(grammar.grammar.serialize_json())
-        if known is not None:
-            return known
+        (issue 28, finding 8). For an EBNF grammar, the productive-rules test (productive.py) on
+        its parsed form finds it wherever the grammar dead-ends (the compiled form is no use: 25
+        MB serialized for 300 optional properties). Otherwise (schemas, regexes and choices
+        build no such grammar, or a format it cannot read): a first mask with no token allowed
+        and nothing to end on (a dead end further in is then the worker's to end, guides.py)."""
+        if ebnf is not None:
+            known = language_is_empty(self._xgr.Grammar.from_ebnf(ebnf).serialize_json())
+            if known is not None:
+                return known
         m = self._xgr.GrammarMatcher(grammar)
         bitmask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
         m.fill_next_token_bitmask(bitmask)

@@ -6,7 +6,8 @@ productive when its body derives some text (a literal, a character class, the em
 sequence of productive parts, a choice with one productive part, a reference to a productive
 rule); the language is empty when the root is not. Linear: each part tells its parents once.
 
-It reads xgrammar's serialized grammar (format "v18", xgrammar 0.2.x: each expression is
+It reads xgrammar's serialized grammar as parsed from the EBNF (Grammar.from_ebnf; not the compiled
+one, whose serialized form grows with its token tables) (format "v18", xgrammar 0.2.x: each expression is
 [type, length, data...]); another format answers None (not known), and an expression type not
 named here counts as productive, so that a doubt never refuses a grammar.
 """
