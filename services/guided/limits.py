@@ -1,8 +1,9 @@
 """Size limits of a structured-output constraint, checked before anything compiles.
 
 A grammar's compile time grows with its input, and for some shapes faster than linearly: measured
-with the tiny model's tokenizer (xgrammar 0.2.9), an object of 1000 optional properties compiled in
-0.75 s and one of 5000 in 490 s; a 100,000-value enum (1.5 MB) in 44 s into 351 MB. So the input is
+with the tiny model's tokenizer (xgrammar 0.2.9, a shared 2-core VM), an object of 500 optional
+properties compiled in 0.19 s, of 1000 in 0.75-5 s and of 5000 in 490 s (1000 required ones: 0.13
+s); a 100,000-value enum (1.5 MB) in 44 s into 351 MB. So the input is
 bounded (bytes, enum/choice values, properties, nesting) and the compile has a deadline as well,
 for a shape these limits do not foresee. At the defaults the slowest case measured compiles in
 under a second. The walk is iterative: a deeply nested schema must not exhaust Python's stack.
@@ -19,7 +20,7 @@ from pagedserve.services.guided.backends import GrammarError
 class Limits:
     max_bytes: int = 64 << 10          # of the constraint's text (regex, grammar, schema, choices)
     max_enum_values: int = 1000        # enum and choice values, all of them (OpenAI's limit)
-    max_properties: int = 1000         # object properties, all of them (quadratic to compile when optional)
+    max_properties: int = 500          # object properties, all of them (superlinear to compile when optional)
     max_depth: int = 32                # nesting of the schema's JSON
     compile_timeout_s: float = 5.0     # a compile that takes longer is refused (and its result not used)
 
