@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass, fields
 
 from pagedserve.kvstore.allocator import ALLOCATIONS
-from pagedserve.services.flags import opt
+from pagedserve.services.flags import opt, to_argv
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")     # services.worker.model_loader maps them
 PREEMPTION_MODES = ("swap", "recompute", "auto")
@@ -195,6 +196,59 @@ def kv_pool_bytes(config) -> int:
 
 def grammar_cache_size(default: int = 256):
     return opt(default, "compiled structured-output constraints kept per process (LRU)", check=at_least(1))
+
+
+def grammar_cache_bytes():
+    from pagedserve.services.guided.cache import DEFAULT_MAX_BYTES
+    return opt(DEFAULT_MAX_BYTES, "bytes of compiled structured-output constraints kept per process, e.g. 512MiB "
+                                  "(one that alone compiles to more is a 400)", parse=parse_bytes, check=at_least(1))
+
+
+# The limits of a constraint, checked before it compiles (services/guided/limits.py says why).
+def grammar_compile_timeout():
+    return opt(_limits().compile_timeout_s, "seconds a structured-output constraint may take to compile (a 400 "
+               "after)", flag="--grammar-compile-timeout", check=positive)
+
+
+def max_grammar_bytes():
+    return opt(_limits().max_bytes, "bytes of a structured-output constraint's text (schema, regex, grammar, "
+               "choices)", parse=parse_bytes, check=at_least(1))
+
+
+def max_grammar_enum_values():
+    return opt(_limits().max_enum_values, "enum and choice values of a structured-output constraint, all told",
+               check=at_least(1))
+
+
+def max_grammar_properties():
+    return opt(_limits().max_properties, "object properties of a JSON-schema constraint, all told", check=at_least(1))
+
+
+def max_grammar_depth():
+    return opt(_limits().max_depth, "nesting depth of a JSON-schema constraint", check=at_least(1))
+
+
+def _limits():
+    from pagedserve.services.guided.limits import Limits
+    return Limits()
+
+
+@dataclass(kw_only=True)
+class GrammarOptions:
+    """The compile cache's bounds and a constraint's limits: one set of fields for every process
+    that compiles constraints (router and worker), so that both refuse the same ones."""
+    grammar_cache_size: int = grammar_cache_size()
+    grammar_cache_bytes: int = grammar_cache_bytes()
+    grammar_compile_timeout_s: float = grammar_compile_timeout()
+    max_grammar_bytes: int = max_grammar_bytes()
+    max_grammar_enum_values: int = max_grammar_enum_values()
+    max_grammar_properties: int = max_grammar_properties()
+    max_grammar_depth: int = max_grammar_depth()
+
+
+def grammar_argv(config) -> list[str]:
+    """A config's GrammarOptions as the flags of another process (the launcher's workers)."""
+    return to_argv(config, [f.name for f in fields(GrammarOptions)])
 
 
 def hang_timeout(help: str):

@@ -154,7 +154,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--profile-tokens", str(cfg.max_num_batched_tokens),
                                              "--profile-seqs", str(cfg.max_num_seqs),
                                              "--torch-threads", str(threads),
-                                             "--grammar-cache-size", str(cfg.grammar_cache_size)]
+                                             *cf.grammar_argv(cfg)]
                       + (["--heartbeat-endpoint", worker_beat] + hang if rank == 0 else [])))
     procs.append(("scheduler", py + ["pagedserve.services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,

@@ -244,6 +244,11 @@ class ExecuteStep:
     prompt_logprobs: dict = field(default_factory=dict)
 
 
+# SampleResult.token_id of a draw not made: its grammar is still compiling. The scheduler takes the
+# step's last token back (computes it again next step) and the request waits; the others go on.
+WAITS_FOR_GRAMMAR = -2
+
+
 @dataclass(slots=True)
 class SampleResult:
     """One draw from a step's logits (the worker's answer for one wanted sample)."""
@@ -263,6 +268,9 @@ class StepResult:
     # For the chunks of ExecuteStep.prompt_logprobs: {seq_id: [start position, entries]}, an entry
     # [logprob, rank, [[id, logprob], ...]] per position whose next prompt token it scores.
     prompt_logprobs: dict = field(default_factory=dict)
+    # Bytes of the worker's compiled grammars (services/guided/cache.py), for the metrics: carried
+    # by every step rather than asked for, so that no stats call comes between a step and its reply.
+    grammar_cache_bytes: int = 0
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (

@@ -102,23 +102,23 @@ def test_matchers_advance_and_are_rebuilt_from_tokens(tokenizer, backend):
         params = SamplingParams(structured_outputs=specs.make("regex", "[0-9]{3}-[a-z]{3}", backend))
         text = "123-abc"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        guides.prepare(params.structured_outputs)
+        guides.cache.compile(params.structured_outputs)   # compiled: no row waits
         plain = SampleRequest(9, SamplingParams(), [], [])
         masks = []
         for k, t in enumerate(ids):   # seq 1 walks the tokens one step at a time
             reqs = [plain, _req(1, params, ids[:k], has_history=False)]
-            rows, bitmask = guides.start_masks(reqs).result()
-            assert rows == [1] and bitmask.shape == (1, 64)    # only the guided row gets a mask
+            rows, bitmask, waiting = guides.start_masks(reqs).result()
+            assert rows == [1] and bitmask.shape == (1, 64) and waiting == []    # only the guided row gets a mask
             masks.append(bitmask)
             guides.advance(reqs, [5, t])
         # seq 2 arrives with the same tokens already generated (a recompute): rebuilt from them.
-        rows, rebuilt = guides.start_masks([_req(2, params, ids[:-1])]).result()
+        rows, rebuilt, _ = guides.start_masks([_req(2, params, ids[:-1])]).result()
         assert torch.equal(rebuilt, masks[-1])
         # The whole text done: only EOS is left.
-        _, end = guides.start_masks([_req(1, params, ids)]).result()
+        _, end, _ = guides.start_masks([_req(1, params, ids)]).result()
         assert _allowed(end) == [2]
         # Lost and nothing to rebuild from: held to EOS rather than let out of the grammar.
-        _, lost = guides.start_masks([_req(3, params, ids[:2], has_history=False)]).result()
+        _, lost, _ = guides.start_masks([_req(3, params, ids[:2], has_history=False)]).result()
         assert _allowed(lost) == [2]
         guides.forget(["k1"])
         assert not guides.seqs

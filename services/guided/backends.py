@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.guided.productive import language_is_empty
+
 COMPACT = (",", ":")
 ANY_OBJECT = '{"type": "object"}'
 
@@ -82,15 +84,39 @@ class XGrammarBackend:
             raise GrammarError(f"the json constraint uses what the xgrammar backend does not enforce: {why}")
         try:
             if kind in ("json", "json_object"):
-                return self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
-                                                         separators=COMPACT, strict_mode=True), True
-            if kind == "regex":
-                return self.compiler.compile_regex(spec), False
-            if kind == "choice":
-                return self.compiler.compile_grammar(_choice_ebnf(spec)), False
-            return self.compiler.compile_grammar(spec), False
+                compiled = self.compiler.compile_json_schema(spec or ANY_OBJECT, any_whitespace=False,
+                                                             separators=COMPACT, strict_mode=True), True
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(spec), False
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar(_choice_ebnf(spec)), False
+            else:
+                compiled = self.compiler.compile_grammar(spec), False
         except Exception as e:   # xgrammar raises RuntimeError / ValueError / its own types
             raise GrammarError(f"the {kind} constraint does not compile: {_message(e)}") from None
+        if self._empty(compiled[0], spec if kind == "grammar" else None):
+            raise GrammarError(f"the {kind} constraint matches no text at all (its language is empty)")
+        return compiled
+
+    def _empty(self, grammar, ebnf: str | None) -> bool:
+        """`root ::= x`, `x ::= x "a"` compiled, and every token was refused until max_tokens
+        (issue 28, finding 8). For an EBNF grammar, the productive-rules test (productive.py) on
+        its parsed form finds it wherever the grammar dead-ends (the compiled form is no use: 25
+        MB serialized for 300 optional properties). Otherwise (schemas, regexes and choices
+        build no such grammar, or a format it cannot read): a first mask with no token allowed
+        and nothing to end on (a dead end further in is then the worker's to end, guides.py)."""
+        if ebnf is not None:
+            known = language_is_empty(self._xgr.Grammar.from_ebnf(ebnf).serialize_json())
+            if known is not None:
+                return known
+        m = self._xgr.GrammarMatcher(grammar)
+        bitmask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
+        m.fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())
+
+    def size_of(self, compiled: Any) -> int:
+        """Bytes the compiled form holds (xgrammar's own count: its token masks dominate)."""
+        return compiled[0].memory_size_bytes
 
     def matcher(self, compiled: Any):
         grammar, is_json = compiled
@@ -147,7 +173,20 @@ class GuidanceBackend:
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise GrammarError(f"the {kind} constraint does not compile: {_message(error)}")
+        if self._empty(grammar):
+            raise GrammarError(f"the {kind} constraint matches no text at all (its language is empty)")
         return grammar   # llguidance builds its parser lazily: the checked grammar is the compiled form
+
+    def _empty(self, grammar) -> bool:
+        """llguidance stops a matcher whose first mask is empty: stopped, and not accepting (an
+        empty language; `root ::= ""` is accepting), as xgrammar's check (XGrammarBackend._empty)."""
+        m = self.matcher(grammar)
+        self.fill([m], torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32), [0])
+        return m.is_stopped() and not m.is_accepting()
+
+    def size_of(self, compiled: Any) -> int:
+        """The checked grammar is what is kept (its parser is built per matcher, lazily)."""
+        return len(compiled.encode())
 
     def matcher(self, compiled: Any):
         return self._llg.LLMatcher(self.tokenizer, compiled, log_level=0)

@@ -1,35 +1,67 @@
-"""Compiled constraints, once per constraint, in a bounded LRU; compiling runs on a thread of its own.
+"""Compiled constraints, once per constraint, in an LRU bounded in entries and in bytes; compiling
+runs on a thread of its own.
 
 Router and worker each keep one (the router to turn a constraint that does not compile into a 400
 before the request is queued, the worker to build matchers). `submit` returns a Future at once:
-the router awaits it off its event loop, the worker starts it when the params arrive and collects
-it after the forward pass, so neither loop nor step waits on a compiler. A failure is cached too
-(a client that resends a bad schema costs one compile). Only this cache's own thread touches the
-backend's compiler; the dict is guarded because callers run on other threads.
+the router awaits it off its event loop (up to the compile deadline), the worker starts it when
+the params arrive and never makes a step wait for it (services/worker/guides.py), so neither loop
+waits on a compiler. A failure is cached too (a client that resends a bad schema costs one
+compile). Only this cache's own thread touches the backend's compiler; the dict is guarded because
+callers run on other threads.
+
+Why bytes: a compiled grammar's size follows its input, not the count of entries (twelve 223 KB
+schemas added ~56 MB each; at 256 entries that was ~14 GB a process). Each entry is counted at
+the size its backend reports for its compiled form (xgrammar's memory_size_bytes), once it is
+done; a constraint whose compiled form alone exceeds the budget is refused (it could never stay).
+Why a deadline on top of the limits (limits.py): a compile cannot be interrupted (xgrammar's C++
+runs to its end), so a result that took longer than the deadline is refused, the same way in
+router and worker, and a waiter stops waiting at the deadline.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pagedserve.services.guided import spec as specs
+from pagedserve.services.guided.backends import GrammarError
+from pagedserve.services.guided.limits import Limits
 
 DEFAULT_CAPACITY = 256
+DEFAULT_MAX_BYTES = 512 << 20
+
+
+@dataclass
+class _Entry:
+    since: float                   # time.monotonic() when submitted
+    future: Future | None = None
+    size: int = 0                  # bytes of the compiled form, counted once it is done
 
 
 class CompileCache:
-    def __init__(self, factory, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, factory, capacity: int = DEFAULT_CAPACITY, max_bytes: int = DEFAULT_MAX_BYTES,
+                 limits: Limits = Limits()):
         """factory(name) -> a backends.*Backend; each is made once, on first use."""
-        if capacity < 1:
-            raise ValueError(f"the compile cache needs a capacity of at least 1, got {capacity}")
-        self.capacity = capacity
+        if capacity < 1 or max_bytes < 1:
+            raise ValueError(f"the compile cache needs a capacity and a byte budget of at least 1, "
+                             f"got {capacity} and {max_bytes}")
+        self.capacity, self.max_bytes, self.limits = capacity, max_bytes, limits
         self._factory = factory
         self._backends: dict = {}
-        self._entries: OrderedDict[str, Future] = OrderedDict()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self.hits = self.misses = 0
+        self.bytes = 0                 # of the compiled forms held
+
+    @staticmethod
+    def bounds_of(config) -> dict:
+        """The constructor's bounds from a process's config fields (services/config_fields.py)."""
+        return {"capacity": config.grammar_cache_size, "max_bytes": config.grammar_cache_bytes,
+                "limits": Limits.of(config)}
 
     def backend(self, name: str):
         with self._lock:
@@ -42,17 +74,21 @@ class CompileCache:
         """The compiled form (or GrammarError) of a wire-form constraint, as a Future."""
         k = specs.key(constraint)
         with self._lock:
-            fut = self._entries.get(k)
-            if fut is not None:
+            entry = self._entries.get(k)
+            if entry is not None:
                 self._entries.move_to_end(k)
                 self.hits += 1
-                return fut
+                return entry.future
             self.misses += 1
-            fut = self._pool.submit(self._compile, constraint)
-            self._entries[k] = fut
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-        return fut
+            entry = self._entries[k] = _Entry(time.monotonic())
+            entry.future = self._pool.submit(self._compile, constraint, k, entry)
+            self._evict()
+        return entry.future
+
+    def compiling_for(self, constraint: dict) -> float:
+        """Seconds since this constraint's compile was submitted (0: not in the cache)."""
+        entry = self._entries.get(specs.key(constraint))
+        return 0.0 if entry is None else time.monotonic() - entry.since
 
     def compile(self, constraint: dict):
         """Blocking form of submit (tests, the offline engine's checks)."""
@@ -64,5 +100,28 @@ class CompileCache:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, constraint: dict):
-        return self.backend(constraint["backend"]).compile(constraint)
+    def _evict(self) -> None:
+        while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.size
+
+    def _compile(self, constraint: dict, k: str, entry: _Entry):
+        self.limits.check(constraint)
+        backend = self.backend(constraint["backend"])
+        start = time.monotonic()
+        compiled = backend.compile(constraint)
+        took = time.monotonic() - start
+        kind = constraint["kind"]
+        if took > self.limits.compile_timeout_s:
+            raise GrammarError(f"the {kind} constraint took {took:.1f} s to compile, over the limit of "
+                               f"{self.limits.compile_timeout_s:g} s (--grammar-compile-timeout)")
+        size = getattr(backend, "size_of", sys.getsizeof)(compiled)
+        if size > self.max_bytes:
+            raise GrammarError(f"the {kind} constraint compiles to {size} bytes, more than the grammar cache "
+                               f"holds ({self.max_bytes}, --grammar-cache-bytes)")
+        with self._lock:
+            entry.size = size
+            if self._entries.get(k) is entry:   # not evicted while it compiled
+                self.bytes += size
+                self._evict()
+        return compiled

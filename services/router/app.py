@@ -86,7 +86,8 @@ class RouterContext:
                                    on_reject=self.metrics.admission_rejected)
         self.grammar_cache = CompileCache(
             lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
-            config.grammar_cache_size)
+            **CompileCache.bounds_of(config))
+        self.metrics.grammar_cache_bytes.set_function(lambda: self.grammar_cache.bytes)
         self.structured_backend = config.structured_outputs_backend
 
     # ---- lifecycle (inside the server's event loop) ---------------------------------------------

@@ -78,16 +78,22 @@ def _response_format(rf: dict) -> list:
 
 
 async def check(cache, constraint: dict | None, param: str | None, timeout_s: float | None = None) -> None:
-    """Compile the constraint (cached) off the event loop; a GrammarError is a 400, a compile
-    that outlasts the request's time left (--request-timeout) a 504."""
+    """Compile the constraint (cached) off the event loop; a GrammarError (the cache's limits, or
+    a compile past --grammar-compile-timeout) is a 400, a compile that outlasts the request's time
+    left (--request-timeout), when that comes first, a 504."""
     if constraint is None:
         return
+    deadline = cache.limits.compile_timeout_s
     try:
         # shield: the compile goes on for the cache (a cancelled entry would fail every later
         # request with the same constraint), only this request stops waiting.
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cache.submit(constraint))), timeout_s)
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cache.submit(constraint))),
+                               deadline if timeout_s is None else min(timeout_s, deadline))
     except GrammarError as e:
         raise bad_request(str(e), param) from None
     except asyncio.TimeoutError:
-        raise APIError(504, "compiling the structured-output constraint took longer than the request's "
-                            "--request-timeout", param) from None
+        if timeout_s is not None and timeout_s < deadline:
+            raise APIError(504, "compiling the structured-output constraint took longer than the request's "
+                                "--request-timeout", param) from None
+        raise bad_request(f"the {constraint['kind']} constraint did not compile within {deadline:g} s "
+                          f"(--grammar-compile-timeout)", param) from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -139,6 +139,10 @@ class RouterMetrics:
                                             "Streamed tokens sent merged into an earlier token's chunk "
                                             "because the router had fallen behind the stream.",
                                             ["model_name"], registry=reg).labels(model_name)
+        # This router's own compile cache (set_function: read at scrape time, nothing to update).
+        self.grammar_cache_bytes = Gauge("pagedserve:grammar_cache_bytes",
+                                         "Bytes of compiled structured-output constraints this router keeps "
+                                         "(--grammar-cache-bytes).", ["model_name"], registry=reg).labels(model_name)
         self.engines = EngineCollector(model_name)
         reg.register(self.engines)
         self.router = RouterCollector(model_name)
@@ -223,6 +227,8 @@ ENGINE_SERIES = (
      "Host-tier blocks copied back to the device on a prefix hit.", "counter"),
     ("host_cache_bytes_copied", "pagedserve:host_cache_bytes_copied",
      "Bytes copied between the device and the host tier, both ways, all ranks.", "counter"),
+    ("grammar_cache_bytes", "pagedserve:worker_grammar_cache_bytes",
+     "Bytes of compiled structured-output constraints the engine's worker keeps (--grammar-cache-bytes).", "gauge"),
 )
 # The scheduler core's counters (StatsReply["scheduler"]) rendered as ours.
 SCHEDULER_COUNTERS = (

@@ -30,7 +30,7 @@ def _cors(default: list[str], help: str):
 
 
 @dataclass(kw_only=True)
-class RouterOptions:
+class RouterOptions(cf.GrammarOptions):
     served_model_name: str | None = opt(None, "the model name clients send and see (default: the model's path)")
     api_keys: list[str] = opt([], "an API key clients must send as 'Authorization: Bearer KEY' on /v1/* "
                                   "(repeatable; the environment variable may hold several, comma-separated)",
@@ -76,11 +76,10 @@ class RouterOptions:
     allowed_methods: list[str] = _cors(["*"], "methods allowed cross-origin")
     allowed_headers: list[str] = _cors(["*"], "headers allowed cross-origin")
     allow_credentials: bool = opt(False, "allow credentials cross-origin")
-    # Structured outputs: the grammar engine (services/guided/spec.py says why xgrammar), and how
-    # many compiled constraints a router keeps (it compiles each once, to refuse a bad one).
+    # Structured outputs: the grammar engine (services/guided/spec.py says why xgrammar); the
+    # compile cache's bounds and the limits are GrammarOptions' (it compiles each once, to refuse a bad one).
     structured_outputs_backend: str = opt(DEFAULT_BACKEND, "grammar engine for response_format / "
                                                            "structured_outputs / guided_*", choices=BACKENDS)
-    grammar_cache_size: int = cf.grammar_cache_size()
 
     @property
     def auth_required(self) -> bool:

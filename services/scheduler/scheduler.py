@@ -29,6 +29,7 @@ from pagedserve.services.sampling_params import SamplingParams
 from pagedserve.services.scheduler.beam_search import BeamSearch
 from pagedserve.services.scheduler.kv_usage import KVUsageMeter
 from pagedserve.services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
+from pagedserve.services.protocol import WAITS_FOR_GRAMMAR
 from pagedserve.services.steps import SampleRequest, SampleResult, SeqStep
 
 
@@ -515,6 +516,12 @@ class Scheduler:
                 wanted = [seqs[0]] if seqs[0].seq_id in by_seq else []
             else:
                 wanted = [s for s in seqs if s.seq_id in by_seq]
+            if wanted and by_seq[wanted[0].seq_id].token_id == WAITS_FOR_GRAMMAR:
+                # No draw: its grammar compiles on the worker (one constraint per request, so all
+                # its samples wait). Its last token is computed again next step, which draws then.
+                for seq in wanted:
+                    seq.num_computed -= 1
+                continue
             if scheduled.pending_forks:
                 self._fork_samples(req, wanted, scheduled.pending_forks)
             if not wanted:

@@ -104,6 +104,7 @@ class SchedulerService:
         self.worker = RpcClient(config.worker_endpoint, config.step_timeout_s, self.ctx,
                                 on_wait=self._waiting_for_worker, guard=self.guard)
         self.draining = False
+        self.worker_grammar_cache_bytes = 0     # as the last step's reply said (a metric)
         info = self._wait_for(lambda: self.kv.pool_info(timeout_s=1.0), "kvstore", self.kv.endpoint)
         # The kvstore may have served an earlier scheduler of this replica (a restart): it frees
         # what that one held and keeps the cache; the mirror starts from its state.
@@ -259,6 +260,7 @@ class SchedulerService:
                 if reply.step != request.step:   # never a reply to another question: fail, do not apply
                     raise RuntimeError(f"the worker answered step {request.step} with step {reply.step}")
                 results, worker_s, prompt_logprobs = reply.results, reply.elapsed, reply.prompt_logprobs
+                self.worker_grammar_cache_bytes = reply.grammar_cache_bytes
         finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
             t3 = time.perf_counter()
             if pending is not None:
@@ -443,6 +445,7 @@ class SchedulerService:
                 "host_cache_demotions": kv.get("host_cache_demotions", 0),
                 "host_cache_promotions": kv.get("host_cache_promotions", 0),
                 "host_cache_bytes_copied": kv.get("host_cache_bytes_copied", 0), "scheduler": dict(s),
+                "grammar_cache_bytes": self.worker_grammar_cache_bytes,
                 "kv": {**kv, "kv_breakdown": self.core.kv_breakdown()},
                 "engine": self.config.replica_id, "steps": self.timing.snapshot(),
                 "cache_config": self._cache_config()}

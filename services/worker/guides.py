@@ -3,9 +3,14 @@ allowed-token bitmask. Owned by WorkerCore (rank 0, which samples); no I/O.
 
 - Constraints compile on the cache's thread (services/guided/cache.py) from the moment their params
   arrive (`prepare`), so a new schema's compile overlaps the forward pass of the step that first
-  samples it; a constraint compiled before (by its hash) costs nothing.
+  samples it; a constraint compiled before (by its hash) costs nothing. A step never waits for a
+  compile past its forward pass (and GRACE_S of the compile's own start): a row whose grammar is
+  not ready is not drawn (protocol.WAITS_FOR_GRAMMAR) and its request waits for a later step, while
+  the others go on. A step that waited on a 100,000-value enum's compile (44 s) sent no heartbeat
+  tick and the supervisor restarted the worker, failing every running request. A compile still
+  running after the cache's deadline holds its rows to EOS, as one that failed.
 - `start_masks` fills the step's bitmask on a thread of its own while the forward pass runs (the
-  matchers already hold every token sampled so far) and returns a Future of (rows, bitmask): one
+  matchers already hold every token sampled so far) and returns StepMasks of (rows, bitmask): one
   int32 [G, ceil(V/32)] tensor for the G guided rows only; unguided rows pay nothing.
 - A matcher is made when its sequence first samples (each of a request's n samples gets its own,
   from the same compiled grammar), advances with each token sampled for it (`advance`), and lives
@@ -18,17 +23,25 @@ allowed-token bitmask. Owned by WorkerCore (rank 0, which samples); no I/O.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.services.guided.backends import GrammarError, bitmask_width, make_backend
-from pagedserve.services.guided.cache import DEFAULT_CAPACITY, CompileCache
+from pagedserve.services.guided.cache import CompileCache
+from pagedserve.services.log_limit import LimitedLog
 from pagedserve.services.steps import SampleRequest
 
 log = logging.getLogger("pagedserve.worker")
+warn = LimitedLog(log)        # these repeat per token or per sequence: at most one a kind per 10 s
+
+# A compile that started less than this ago may hold the step past its forward pass: a small
+# schema (4-16 ms) is then drawn in the step whose params brought it, not one step later.
+GRACE_S = 0.1
+POLL_S = 0.005
 
 
 @dataclass
@@ -40,10 +53,10 @@ class _Guided:
 
 
 class Guides:
-    def __init__(self, load_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, load_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], **cache_bounds):
         """load_tokenizer() -> the model's Hugging Face tokenizer, called once, when the first
-        constraint arrives (a worker that never sees one never loads it)."""
+        constraint arrives (a worker that never sees one never loads it); cache_bounds go to
+        CompileCache (capacity, max_bytes, limits)."""
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.width = bitmask_width(vocab_size)
@@ -54,7 +67,7 @@ class Guides:
                 tokenizer.append(load_tokenizer())
             return make_backend(name, tokenizer[0], vocab_size, self.eos_token_ids)
 
-        self.cache = CompileCache(factory, capacity)
+        self.cache = CompileCache(factory, **cache_bounds)
         self.seqs: dict[int, _Guided] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self.mask_seconds = 0.0       # spent filling masks (on the mask thread, beside the forward)
@@ -64,12 +77,13 @@ class Guides:
         """New params carry this constraint: start compiling it now."""
         self.cache.submit(constraint)
 
-    def start_masks(self, reqs: list[SampleRequest]) -> Future | None:
-        """The bitmask of the guided rows among reqs (one row per req), computed on the mask thread."""
+    def start_masks(self, reqs: list[SampleRequest]) -> "StepMasks | None":
+        """The bitmask of the guided rows among reqs (one row per req), computed on the mask thread;
+        its result() (called once the forward is done) is (rows, bitmask, rows that wait)."""
         rows = [j for j, r in enumerate(reqs) if r.params.structured_outputs is not None]
         if not rows:
             return None
-        return self._pool.submit(self._masks, [reqs[j] for j in rows], rows)
+        return StepMasks(self._pool, self._masks, [reqs[j] for j in rows], rows)
 
     def advance(self, reqs: list[SampleRequest], token_ids: list[int]) -> None:
         """Each guided row's matcher takes the token sampled for it."""
@@ -80,7 +94,7 @@ class Guides:
             g.consumed += 1
             if g.matcher is not None and not g.backend.accept(g.matcher, t):
                 # Only a token the mask allowed can be sampled; this would be an engine bug.
-                log.warning("seq %d: the grammar refused sampled token %d", r.seq_id, t)
+                warn.warning("refused", "seq %d: the grammar refused sampled token %d", r.seq_id, t)
 
     def forget(self, keys) -> None:
         """Drop the matchers of these requests (by params key): they finished or were aborted."""
@@ -95,7 +109,8 @@ class Guides:
 
     def stats(self) -> dict:
         return {"guided_seqs": len(self.seqs), "grammar_mask_s": self.mask_seconds, "grammar_mask_rows": self.mask_rows,
-                "grammar_compiled": len(self.cache), "grammar_cache_hits": self.cache.hits,
+                "grammar_compiled": len(self.cache), "grammar_cache_bytes": self.cache.bytes,
+                "grammar_cache_hits": self.cache.hits,
                 "grammar_cache_misses": self.cache.misses}
 
     def close(self) -> None:
@@ -103,12 +118,18 @@ class Guides:
         self.cache.close()
 
     # ---- on the mask thread ------------------------------------------------------------------
-    def _masks(self, reqs: list[SampleRequest], rows: list[int]) -> tuple[list[int], torch.Tensor]:
+    def _masks(self, reqs: list[SampleRequest], rows: list[int], forward_done: threading.Event
+               ) -> tuple[list[int], torch.Tensor, list[int]]:
         start = time.perf_counter()
         bitmask = torch.zeros(len(reqs), self.width, dtype=torch.int32)   # [G, ceil(V/32)]
         by_backend: dict[int, tuple] = {}
+        waiting = []
         for i, r in enumerate(reqs):
-            g = self._matcher(r)
+            g = self._matcher(r, forward_done)
+            if g is None:                  # its grammar compiles: not drawn (EOS keeps the row samplable)
+                waiting.append(rows[i])
+                self._allow_eos(bitmask, i)
+                continue
             if g.matcher is None or g.backend.is_finished(g.matcher):
                 self._allow_eos(bitmask, i)
                 continue
@@ -117,11 +138,22 @@ class Guides:
             entry[2].append(i)
         for backend, matchers, idx in by_backend.values():
             backend.fill(matchers, bitmask, idx)
+        self._end_dead_rows(reqs, bitmask, [i for _, _, idx in by_backend.values() for i in idx])
         self.mask_seconds += time.perf_counter() - start
         self.mask_rows += len(reqs)
-        return rows, bitmask
+        return rows, bitmask, waiting
 
-    def _matcher(self, r: SampleRequest) -> _Guided:
+    def _ready(self, c: dict, forward_done: threading.Event) -> Future | None:
+        """The constraint's compile, once done; None when the step should not wait for it."""
+        fut = self.cache.submit(c)
+        since = time.monotonic() - self.cache.compiling_for(c)   # read once: an entry may be evicted meanwhile
+        while not fut.done():
+            if forward_done.is_set() and time.monotonic() - since >= GRACE_S:
+                return None
+            wait([fut], POLL_S)
+        return fut
+
+    def _matcher(self, r: SampleRequest, forward_done: threading.Event) -> _Guided | None:
         g = self.seqs.get(r.seq_id)
         num_output = len(r.output_token_ids)
         if g is not None and g.consumed == num_output:
@@ -129,29 +161,62 @@ class Guides:
         c = r.params.structured_outputs
         backend = self.cache.backend(c["backend"])
         try:
-            compiled = self.cache.submit(c).result()
+            fut = self._ready(c, forward_done)
+            if fut is None:
+                if self.cache.compiling_for(c) <= self.cache.limits.compile_timeout_s:
+                    self.seqs.pop(r.seq_id, None)   # a stale state must not take this row's draw
+                    return None
+                raise GrammarError(f"the {c['kind']} constraint did not compile within "
+                                   f"{self.cache.limits.compile_timeout_s:g} s")
+            compiled = fut.result()
         except GrammarError as e:   # the router compiles first: only a direct client gets here
-            log.warning("seq %d: %s; its output is held to EOS", r.seq_id, e)
+            warn.warning("no grammar", "seq %d: %s; its output is held to EOS", r.seq_id, e)
             g = self.seqs[r.seq_id] = _Guided(backend, None, num_output, r.params_key)
             return g
         matcher = backend.matcher(compiled)
         if num_output and not r.has_history:
-            log.warning("seq %d: its grammar state is lost and the step has no tokens to rebuild it from; "
-                        "its output is held to EOS", r.seq_id)
+            warn.warning("lost", "seq %d: its grammar state is lost and the step has no tokens to rebuild it "
+                         "from; its output is held to EOS", r.seq_id)
             matcher = None
         elif num_output:   # rebuilt from the tokens (a recompute, or a worker that lost the state)
             for t in r.output_token_ids:
                 if not backend.accept(matcher, t):
-                    log.warning("seq %d: its tokens do not follow its grammar; held to EOS", r.seq_id)
+                    warn.warning("off grammar", "seq %d: its tokens do not follow its grammar; held to EOS", r.seq_id)
                     matcher = None
                     break
         g = self.seqs[r.seq_id] = _Guided(backend, matcher, num_output, r.params_key)
         return g
 
+    def _end_dead_rows(self, reqs: list[SampleRequest], bitmask: torch.Tensor, filled: list[int]) -> None:
+        """A row whose grammar allows no token at all (a dead end: `root ::= "a" x`, `x ::= x "b"`)
+        is held to EOS. Sampled from a mask of nothing, it drew a token the grammar refused, every
+        step until max_tokens, and each was counted as output (issue 28, finding 8)."""
+        if not filled:
+            return
+        idx = torch.tensor(filled, dtype=torch.long)
+        for i in idx[(bitmask[idx] == 0).all(dim=1)].tolist():
+            warn.warning("dead end", "seq %d: its grammar allows no next token; its output is held to EOS",
+                         reqs[i].seq_id)
+            self.seqs[reqs[i].seq_id].matcher = None
+            self._allow_eos(bitmask, i)
+
     def _allow_eos(self, bitmask: torch.Tensor, row: int) -> None:
         for t in self.eos_token_ids:
             if t < self.vocab_size:
                 bitmask[row, t // 32] |= _bit(t % 32)
+
+
+class StepMasks:
+    """One step's masks, filling on the mask thread while the forward runs. result() says the
+    forward is done: from then on the mask thread waits for no compile older than GRACE_S."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fill, reqs: list[SampleRequest], rows: list[int]):
+        self._forward_done = threading.Event()
+        self._future = pool.submit(fill, reqs, rows, self._forward_done)
+
+    def result(self) -> tuple[list[int], torch.Tensor, list[int]]:
+        self._forward_done.set()
+        return self._future.result()
 
 
 def _bit(i: int) -> int:

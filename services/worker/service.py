@@ -51,6 +51,7 @@ from pagedserve.services.process import answer_requests, on_stop_signals, servic
 from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
 from pagedserve.services.worker.profile import warm_up_and_profile
+from pagedserve.services.guided.cache import CompileCache
 from pagedserve.services.worker.guides import Guides
 from pagedserve.services.worker.model_loader import load_tokenizer
 from pagedserve.services.worker.step_inputs import StepError, StepInputs
@@ -73,7 +74,7 @@ class PeerLost(RuntimeError):
 
 
 @dataclass
-class Config:
+class Config(cf.GrammarOptions):
     model: str = cf.model()
     rank: int = opt(0, "tensor-parallel rank of this process", check=at_least(0))
     tp_size: int = opt(1, "tensor-parallel ranks in the group", check=at_least(1))
@@ -94,7 +95,6 @@ class Config:
     torch_threads: int = opt(0, "torch threads (0: torch's default)", check=at_least(0))
     seed: int = cf.seed()
     log_level: str = cf.log_level()
-    grammar_cache_size: int = cf.grammar_cache_size()
     # Supervision (services/heartbeat.py): rank 0 answers Pings here with whether its main thread
     # moved (a step's layers tick) within hang_timeout_s. None: no heartbeat.
     heartbeat_endpoint: str | None = cf.optional_endpoint("rank 0 answers heartbeat Pings here (the launcher and "
@@ -187,7 +187,8 @@ class WorkerService:
                 self.guides.forget(msg.dropped_params)
         self.steps_run += 1
         return protocol.StepResult(msg.step, results, error, time.perf_counter() - start,
-                                   prompt_logprobs if error is None else {})
+                                   prompt_logprobs if error is None else {},
+                                   self.guides.cache.bytes if self.guides is not None else 0)
 
     def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]],
                  prompt_logprobs: dict) -> list[SampleResult]:
@@ -352,7 +353,7 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
     core = None
     if config.rank == 0:
         guides = Guides(functools.partial(load_tokenizer, config.model), spec.vocab_size, spec.eos_token_ids,
-                        config.grammar_cache_size)
+                        **CompileCache.bounds_of(config))
         core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed, guides=guides)
     return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
 

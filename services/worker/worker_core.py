@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.services.protocol import WAITS_FOR_GRAMMAR
 from pagedserve.services.steps import SampleRequest, SampleResult  # noqa: F401  (re-exported)
 from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
 from pagedserve.services.worker.guides import Guides
@@ -34,7 +35,7 @@ class WorkerCore:
         try:
             logits = self.runner.execute(steps, prompt_logprobs=prompt_logprobs)   # [R, vocab], one row per wanting step
         finally:
-            allowed = masks.result() if masks is not None else None
+            allowed, waiting = (None, ()) if masks is None else _split(masks.result())
         rows = [i for i, wanted in enumerate(samples) if wanted for _ in wanted]
         if not reqs:
             return []
@@ -60,6 +61,8 @@ class WorkerCore:
                 results[j].token_id = out.token_ids[n]
                 results[j].logprob = out.logprobs[n]
                 results[j].top_logprobs = out.top_logprobs[n]
+            for n in waiting:          # drawn only to keep the batch whole: not a token
+                results[draw[n]].token_id = WAITS_FOR_GRAMMAR
         return results
 
     def _start_masks(self, reqs: list[SampleRequest]):
@@ -68,3 +71,9 @@ class WorkerCore:
                 raise ValueError("this worker serves no structured outputs")
             return None
         return self.guides.start_masks(reqs)
+
+
+def _split(masks: tuple) -> tuple:
+    """(rows, bitmask, rows that wait) -> ((rows, bitmask) for the sampler, rows that wait)."""
+    rows, bitmask, waiting = masks
+    return (rows, bitmask), waiting
