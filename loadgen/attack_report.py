@@ -11,13 +11,15 @@ from pagedserve.loadgen.config import AttackSoakConfig
 from pagedserve.loadgen.raw_http import Answer
 
 
-def class_summary(cls: str, answers: list[Answer], problems: list[str], cfg: AttackSoakConfig) -> dict:
+def class_summary(cls: str, answers: list[Answer], problems: list[str], cfg: AttackSoakConfig,
+                  t0: float) -> dict:
     unclear = [a for a in answers if not clear(cls, a, cfg.answer_s)]
     statuses = collections.Counter(str(a.status) for a in answers)
     latencies = [a.latency_s for a in answers]
     return {"judge": judge(cls), "requests": len(answers), "statuses": dict(statuses),
             "max_latency_s": round(max(latencies), 3) if latencies else None,
-            "unclear": [a.to_dict() for a in unclear[:10]], "problems": problems,
+            "rounds_at_s": sorted({round(a.round_at - t0, 1) for a in answers if a.round_at is not None}),
+            "unclear": [a.to_dict(t0) for a in unclear[:10]], "problems": problems,
             "ok": bool(answers) and not unclear and not problems}
 
 
@@ -32,12 +34,12 @@ def targets(cfg: AttackSoakConfig, report: dict) -> list[dict]:
            f"{attack['success']:.4f} of {attack['requests']} (need >= {cfg.min_success}); "
            f"outcomes {attack['outcomes']}")
     restarted = {r: n for r, n in report["restarts"].items() if n}
-    target("no restart", not restarted, f"restarts {restarted or 'none'}"
+    target("no restart", not restarted, f"restarts {restarted or 'none'} at {report['restart_events']}"
            + (f"; {'; '.join(report['restart_reasons'][:4])}" if report["restart_reasons"] else ""))
     base = max(quiet["ttft_p99_ms"] or 0.0, cfg.ttft_floor_ms)
-    p99 = attack["ttft_p99_ms"]
+    p99 = attack["ttft_p99_ms"]      # None: it falls on a stream that never got a first token
     target("p99 TTFT", p99 is not None and p99 <= cfg.ttft_ratio * base,
-           f"{p99} ms under attack vs quiet {quiet['ttft_p99_ms']} ms (bound {cfg.ttft_ratio} x "
+           f"{'a stream with no first token' if p99 is None else f'{p99} ms'} under attack vs quiet {quiet['ttft_p99_ms']} ms; {attack['streams_without_first_token']} of {attack['streamed']} streams had none (bound {cfg.ttft_ratio} x "
            f"max(quiet, {cfg.ttft_floor_ms:g}) = {cfg.ttft_ratio * base:.0f} ms)")
     grown = {r: v["growth_mb"] for r, v in report["rss"].items() if v["growth_mb"] > cfg.rss_growth_mb}
     target("RSS bounded", not grown, f"growth over {cfg.rss_growth_mb:g} MiB: {grown or 'none'}")

@@ -27,7 +27,7 @@ from pagedserve.loadgen.normal_load import NormalLoad, Phase
 from pagedserve.loadgen.proc_watch import ProcWatch
 from pagedserve.loadgen.raw_http import Answer
 from pagedserve.loadgen.stack import Stack
-from pagedserve.services.flags import add_flags, from_args
+from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 CLASS_TIMEOUT_S = 60.0     # one round of one class; past it the round counts as a "timeout" answer
 
@@ -48,15 +48,18 @@ async def hostile(cls: str, a: Attacker, cfg: AttackSoakConfig, rng: random.Rand
     start, slot = time.monotonic(), 0.8 * cfg.duration / cfg.rounds
     for r in range(1 if judge(cls) == HOLD else cfg.rounds):
         await asyncio.sleep(max(0.0, start + slot * (r + rng.uniform(0, 0.6)) - time.monotonic()))
-        t0 = time.perf_counter()
+        t0, got = time.monotonic(), []
         try:
-            answers[cls] += await asyncio.wait_for(ATTACKS[cls](a), CLASS_TIMEOUT_S)
+            got = await asyncio.wait_for(ATTACKS[cls](a), CLASS_TIMEOUT_S)
         except asyncio.TimeoutError:
-            answers[cls].append(Answer("timeout", time.perf_counter() - t0))
+            got = [Answer("timeout", time.monotonic() - t0)]
         except OSError as e:   # the router refused the connection itself (it is down)
-            answers[cls].append(Answer(f"{type(e).__name__}", time.perf_counter() - t0))
+            got = [Answer(f"{type(e).__name__}", time.monotonic() - t0)]
         except Exception:      # a bug of the attacker's, not a finding: it must show, not pass
             a.problem(cls, "the attack itself failed: " + traceback.format_exc(limit=2).replace("\n", " | "))
+        for ans in got:
+            ans.round_at = t0
+        answers[cls] += got
 
 
 async def run(cfg: AttackSoakConfig, stack: Stack, model: str, keys: dict[str, str]) -> dict:
@@ -66,6 +69,8 @@ async def run(cfg: AttackSoakConfig, stack: Stack, model: str, keys: dict[str, s
     watcher = asyncio.create_task(watch.run(stop))
     load = NormalLoad(stack.url, keys["normal"], model, cfg.rate, cfg.seed)
     try:
+        await load.run(Phase("warmup"), cfg.warmup)
+        watch.mark("quiet")
         quiet = await load.run(Phase("quiet"), cfg.quiet)
         watch.mark("attack")
         attacker = Attacker(stack.port, model, cfg, keys, random.Random(cfg.seed + 1))
@@ -76,10 +81,10 @@ async def run(cfg: AttackSoakConfig, stack: Stack, model: str, keys: dict[str, s
         stop.set()
         await watcher
         await load.close()
-    classes = {cls: attack_report.class_summary(cls, answers[cls], attacker.problems.get(cls, []), cfg)
+    classes = {cls: attack_report.class_summary(cls, answers[cls], attacker.problems.get(cls, []), cfg, watch.t0)
                for cls in cfg.attacks}
     return {"quiet": quiet.summary(), "attack": attack.summary(), "classes": classes,
-            "restarts": watch.restarts(), "restart_reasons": watch.restart_reasons(),
+            "restarts": watch.restarts(), "restart_events": watch.events, "restart_reasons": watch.restart_reasons(),
             "rss": watch.rss(since="attack"), "rss_samples": watch.samples, "marks": watch.marks}
 
 
@@ -96,16 +101,20 @@ def attack_soak(cfg: AttackSoakConfig) -> dict:
     report["launcher_exit"] = code
     report["config"] = {k: v for k, v in vars(cfg).items()}
     report["targets"] = attack_report.targets(cfg, report)
+    with open(cfg.out, "w") as f:
+        json.dump(report, f, indent=1)
     return report
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedserve.loadgen.attack_soak", description=__doc__.splitlines()[0])
     add_flags(p, AttackSoakConfig)
-    cfg = from_args(AttackSoakConfig, p.parse_args(argv))
+    try:
+        cfg = from_args(AttackSoakConfig, p.parse_args(argv))
+    except ConfigError as e:
+        print(f"attack_soak: {e}", file=sys.stderr)
+        return 2
     report = attack_soak(cfg)
-    with open(cfg.out, "w") as f:
-        json.dump(report, f, indent=1)
     print(attack_report.table(report))
     print(f"report in {cfg.out}")
     return 1 if attack_report.missed(report) else 0

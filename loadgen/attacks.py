@@ -264,7 +264,7 @@ async def disconnects(a: Attacker) -> list[Answer]:
             return Answer("timeout", time.perf_counter() - t0)
         finally:
             writer.transport.abort()                # a reset, not a polite close
-    return list(await asyncio.gather(*(one() for _ in range(a.cfg.count(10)))))
+    return list(await asyncio.gather(*(one() for _ in range(a.cfg.count(6)))))
 
 
 ATTACKS = {f.__name__: f for f in (

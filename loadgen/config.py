@@ -206,10 +206,13 @@ class AttackSoakConfig:
     model: str = opt("tiny", "a local model folder, or 'tiny'")
     rate_limit: int = opt(60, "the stack's --rate-limit: requests per window per key", check=_at_least(1))
     rate_limit_window: float = opt(10.0, "the stack's --rate-limit-window, seconds", check=_positive)
-    max_queued_requests: int = opt(8, "the stack's --max-queued-requests", check=_at_least(1))
+    max_queued_requests: int = opt(16, "the stack's --max-queued-requests (small, yet above what the normal "
+                                       "load and the legitimate hostile requests hold at once)", check=_at_least(1))
     hang_timeout: float = opt(4.0, "the stack's --hang-timeout (the launcher's default)", check=_positive)
     # the normal load (openai SDK, one key, no retries: every failed attempt counts)
     rate: float = opt(2.0, "normal requests per second (evenly spaced)", check=_positive)
+    warmup: float = opt(3.0, "seconds of normal load before anything is measured (first compiles, caches)",
+                        check=lambda v: v >= 0 or "must be >= 0")
     quiet: float = opt(30.0, "seconds of normal load alone first: the TTFT baseline", check=_positive)
     duration: float = opt(150.0, "seconds of normal load while the hostile clients run", check=_positive)
     # the hostile clients

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ class Phase:
     """One run of the load: what every request ended as, and the TTFT of the streamed ones."""
     name: str
     outcomes: collections.Counter = field(default_factory=collections.Counter)
-    ttft_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)      # a stream that failed first: inf
     failures: list[str] = field(default_factory=list)       # the first few, for the report
 
     @property
@@ -41,11 +42,13 @@ class Phase:
         if not self.ttft_ms:
             return None
         xs = sorted(self.ttft_ms)
-        return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 1)
+        x = xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+        return round(x, 1) if math.isfinite(x) else None
 
     def summary(self) -> dict:
         return {"requests": self.total, "outcomes": dict(self.outcomes), "success": round(self.success, 5),
                 "ttft_p50_ms": self.ttft_p(50), "ttft_p99_ms": self.ttft_p(99), "streamed": len(self.ttft_ms),
+                "streams_without_first_token": sum(1 for x in self.ttft_ms if not math.isfinite(x)),
                 "failures": self.failures}
 
 
@@ -66,8 +69,7 @@ class NormalLoad:
         try:
             t = time.perf_counter()
             if kind.endswith("_stream"):
-                first = await self.streamed(kind, prompt)
-                phase.ttft_ms.append((first - t) * 1000)
+                await self.streamed(phase, kind, prompt, t)
             elif kind == "chat_schema":
                 r = await self.client.chat.completions.create(
                     model=self.model, messages=[{"role": "user", "content": prompt}], max_tokens=48,
@@ -83,13 +85,18 @@ class NormalLoad:
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
             outcome = type(e).__name__
             self.note(phase, kind, f"{type(e).__name__}: {e}"[:160])
+        except openai.APIError as e:        # an error event inside a stream that had begun
+            outcome = "stream_error"
+            self.note(phase, kind, str(e)[:160])
         except AssertionError:
             outcome = "empty"
         phase.outcomes[outcome] += 1
 
-    async def streamed(self, kind: str, prompt: str) -> float:
-        """The time of the first chunk that carries text (a chat's role-only chunk does not); the
-        stream is read to its end."""
+    async def streamed(self, phase: Phase, kind: str, prompt: str, t: float) -> None:
+        """TTFT: until the first chunk that carries text (a chat's role-only chunk does not); the
+        stream is read to its end. A stream with no first token counts as an infinite TTFT (its
+        placeholder: all are alike, so the first one found is replaced)."""
+        phase.ttft_ms.append(math.inf)
         if kind == "chat_stream":
             stream = await self.client.chat.completions.create(
                 model=self.model, messages=[{"role": "user", "content": prompt}], max_tokens=24, stream=True)
@@ -101,8 +108,8 @@ class NormalLoad:
             c = chunk.choices[0] if chunk.choices else None
             if first is None and c is not None and (c.delta.content if kind == "chat_stream" else c.text):
                 first = time.perf_counter()
+                phase.ttft_ms[phase.ttft_ms.index(math.inf)] = (first - t) * 1000
         assert first is not None
-        return first
 
     @staticmethod
     def note(phase: Phase, kind: str, what: str) -> None:

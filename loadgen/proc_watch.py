@@ -34,6 +34,7 @@ class ProcWatch:
     seen: dict[str, set[int]] = field(default_factory=dict)      # role -> every pid seen since
     samples: list[dict] = field(default_factory=list)            # {"t", role: MiB summed over its pids}
     marks: dict[str, float] = field(default_factory=dict)        # phase name -> t it began
+    events: list[dict] = field(default_factory=list)             # {"role", "pid", "t"} of each new pid
     t0: float = field(default_factory=time.monotonic)
 
     def pids(self) -> dict[str, list[int]]:
@@ -45,6 +46,7 @@ class ProcWatch:
         row: dict = {"t": round(time.monotonic() - self.t0, 2)}
         for role, pids in self.pids().items():
             self.first.setdefault(role, set(pids))
+            self.events += [{"role": role, "pid": p, "t": row["t"]} for p in set(pids) - self.seen.get(role, set(pids))]
             self.seen.setdefault(role, set()).update(pids)
             sizes = [s for s in map(rss_mb, pids) if s is not None]
             row[role] = round(sum(sizes), 1) if sizes else None
