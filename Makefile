@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: serve demo test test-latest lock fuzz soak bench-kernels gpu-wheels gpu-check clean
+.PHONY: serve demo test test-latest lock fuzz soak soak-attack bench-kernels gpu-wheels gpu-check clean
 
 # The GPU machine runs the check with its own Python (torch, triton; no network, no .venv there).
 GPU_PY ?= python3
@@ -55,6 +55,11 @@ lock:
 # 127.0.0.1:6379; tests/test_soak.py is the short form in `make test`).
 soak: $(STAMP)
 	$(BIN)/python -m pagedserve.loadgen.soak --duration 180
+
+# A few minutes of a steady normal load while hostile clients of every class of issue 28 run
+# (loadgen/attacks.py); exit 1 if a target is missed. tests/test_attack_soak.py is the short form.
+soak-attack: $(STAMP)
+	$(BIN)/python -m pagedserve.loadgen.attack_soak --quiet 30 --duration 150 --rounds 3 --out attack-soak.json
 
 # The long form of the fuzzing in `make test`: Hypothesis over every protocol decoder, and
 # schemathesis over every route of a running router (no 5xx, no blocks left held). ~10 minutes.

@@ -189,3 +189,52 @@ class PaperConfig:
     figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
     seed: int = opt(11, "the workload seed of every run")
     plots: bool = opt(True, "write PNG plots (matplotlib)")
+
+
+# The hostile classes of the attack soak (loadgen/attacks.py holds one function per name). The
+# first ten are issue 28's audit findings; the rest probe the HTTP layer itself.
+ATTACK_CLASSES = ("tokenize_flood", "schema_enum", "schema_props", "schema_cache", "cross_key",
+                  "content_type", "big_body", "surrogate_model", "empty_grammar", "queue_fanout",
+                  "rate_burst", "wrong_key_flood",
+                  "slowloris", "idle_connections", "nested_json", "invalid_utf8", "huge_headers",
+                  "disconnects")
+
+
+@dataclass
+class AttackSoakConfig:
+    # the stack (tiny model; one router, its state in process: no Redis needed)
+    model: str = opt("tiny", "a local model folder, or 'tiny'")
+    rate_limit: int = opt(60, "the stack's --rate-limit: requests per window per key", check=_at_least(1))
+    rate_limit_window: float = opt(10.0, "the stack's --rate-limit-window, seconds", check=_positive)
+    max_queued_requests: int = opt(16, "the stack's --max-queued-requests (small, yet above what the normal "
+                                       "load and the legitimate hostile requests hold at once)", check=_at_least(1))
+    hang_timeout: float = opt(4.0, "the stack's --hang-timeout (the launcher's default)", check=_positive)
+    # the normal load (openai SDK, one key, no retries: every failed attempt counts)
+    rate: float = opt(2.0, "normal requests per second (evenly spaced)", check=_positive)
+    warmup: float = opt(3.0, "seconds of normal load before anything is measured (first compiles, caches)",
+                        check=lambda v: v >= 0 or "must be >= 0")
+    quiet: float = opt(30.0, "seconds of normal load alone first: the TTFT baseline", check=_positive)
+    duration: float = opt(150.0, "seconds of normal load while the hostile clients run", check=_positive)
+    # the hostile clients
+    attacks: list[str] = opt(list(ATTACK_CLASSES), "hostile classes to run",
+                             check=lambda v: set(v) <= set(ATTACK_CLASSES) or
+                             f"unknown class; known: {', '.join(ATTACK_CLASSES)}")
+    rounds: int = opt(3, "times each one-shot class is repeated, spread over --duration", check=_at_least(1))
+    scale: float = opt(1.0, "multiplies every count (connections, schemas, flood sizes); the audit's sizes "
+                            "(bodies, enum lengths) are kept whatever it is", check=_positive)
+    seed: int = opt(0, "fixes the normal load's mix and the hostile schedule")
+    # the targets (issue 28)
+    min_success: float = opt(0.999, "share of normal requests that must succeed",
+                             check=lambda v: 0 < v <= 1 or "must lie in (0, 1]")
+    ttft_ratio: float = opt(2.0, "p99 TTFT under attack / quiet p99 TTFT may be at most this", check=_positive)
+    ttft_floor_ms: float = opt(100.0, "the quiet p99 counts as at least this much: on a shared CPU a ~30 ms "
+                                      "TTFT doubles with scheduling noise alone", check=lambda v: v >= 0 or "must be >= 0")
+    answer_s: float = opt(1.0, "seconds within which every hostile request must be answered", check=_positive)
+    rss_growth_mb: float = opt(256.0, "MiB any process's RSS may grow over its size after the quiet run",
+                               check=_positive)
+    # output
+    out: str = opt("attack-soak.json", "the JSON report")
+
+    def count(self, n: int) -> int:
+        """A count of the long form, scaled (at least 1)."""
+        return max(1, round(n * self.scale))
