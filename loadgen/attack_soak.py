@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 
-from pagedserve.loadgen import attack_report
+from pagedserve.loadgen import attack_report, raw_http
 from pagedserve.loadgen.attacks import ATTACKS, HOLD, KEYED, Attacker, judge
 from pagedserve.loadgen.config import AttackSoakConfig
 from pagedserve.loadgen.normal_load import NormalLoad, Phase
@@ -44,7 +44,9 @@ def stack_flags(cfg: AttackSoakConfig, keys: list[str]) -> list[str]:
 async def hostile(cls: str, a: Attacker, cfg: AttackSoakConfig, rng: random.Random,
                   answers: dict[str, list[Answer]]) -> None:
     """The rounds of one class, spread over the first 80 % of the attack phase (each at a random
-    point of its slot, so the classes overlap differently from seed to seed)."""
+    point of its slot, so the classes overlap differently from seed to seed), sent from the class's
+    own loopback address (127.0.0.10 + its index; the normal load keeps 127.0.0.1)."""
+    raw_http.SOURCE.set(f"127.0.0.{10 + list(ATTACKS).index(cls)}")
     start, slot = time.monotonic(), 0.8 * cfg.duration / cfg.rounds
     for r in range(1 if judge(cls) == HOLD else cfg.rounds):
         await asyncio.sleep(max(0.0, start + slot * (r + rng.uniform(0, 0.6)) - time.monotonic()))

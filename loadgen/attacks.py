@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.loadgen.config import AttackSoakConfig
-from pagedserve.loadgen.raw_http import Answer, head, http_client_post, json_headers, post_json, send
+from pagedserve.loadgen.raw_http import Answer, connect, head, http_client_post, json_headers, post_json, send
 
 REFUSE, SERVED, QUEUE, HOLD = "4xx", "4xx or served", "4xx or 503 (queue full)", "hold"
 
@@ -84,7 +84,7 @@ async def cross_key(a: Attacker) -> list[Answer]:
     victim_key, thief_key = a.key("cross_key", "a"), a.key("cross_key", "b")
     body = json.dumps({"model": a.model, "prompt": "def f(x):", "max_tokens": 600, "ignore_eos": True,
                        "stream": True}).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", a.port)
+    reader, writer = await connect(a.port)
     writer.write(head("POST", "/v1/completions", {**json_headers(victim_key), "X-Request-Id": rid}, len(body)) + body)
     await writer.drain()
     await reader.readline()                         # the victim's stream has begun
@@ -180,7 +180,7 @@ async def slowloris(a: Attacker) -> list[Answer]:
     whether the server closed them (uvicorn has no header timeout)."""
     async def one(with_body: bool) -> Answer:
         t0 = time.perf_counter()
-        reader, writer = await asyncio.open_connection("127.0.0.1", a.port)
+        reader, writer = await connect(a.port)
         data = head("POST", "/v1/completions", json_headers(a.key("slowloris")), 100 if with_body else None)
         data = data if with_body else data[:-2]     # headers that never end
         try:
@@ -205,7 +205,7 @@ async def idle_connections(a: Attacker) -> list[Answer]:
     async def one() -> Answer:
         t0 = time.perf_counter()
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", a.port)
+            reader, writer = await connect(a.port)
         except OSError:
             return Answer("refused", time.perf_counter() - t0)
         try:
@@ -254,7 +254,7 @@ async def disconnects(a: Attacker) -> list[Answer]:
         t0 = time.perf_counter()
         body = json.dumps({"model": a.model, "prompt": "def f():", "max_tokens": 200, "ignore_eos": True,
                            "stream": True}).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", a.port)
+        reader, writer = await connect(a.port)
         try:
             writer.write(head("POST", "/v1/completions", json_headers(a.key("disconnects")), len(body)) + body)
             line = await asyncio.wait_for(reader.readline(), 10)

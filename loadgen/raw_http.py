@@ -8,10 +8,21 @@ connection without a status line), "reset" (a connection reset or broken pipe), 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import http.client
 import json
 import time
 from dataclasses import dataclass
+
+# The loopback address a hostile client sends from. Each class gets its own (the soak sets it per
+# class), as attackers on a network have addresses of their own: the router throttles failed keys
+# per client address, and one class's flood must not throttle the normal load or another class.
+SOURCE = contextvars.ContextVar("source_address", default="127.0.0.1")
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the router on 127.0.0.1:port, from this class's source address."""
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(SOURCE.get(), 0))
 
 
 @dataclass
@@ -71,7 +82,7 @@ async def send(port: int, method: str, path: str, headers: dict[str, str], body:
     t0 = time.monotonic()
     writer = None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout_s)
+        reader, writer = await asyncio.wait_for(connect(port), timeout_s)
         writer.write(raw_head or head(method, path, headers, None if body is None else len(body)))
         if body:
             writer.write(body)
@@ -94,7 +105,7 @@ def http_client_post(port: int, path: str, body: bytes, headers: dict[str, str],
     """As the standard library's client sends it (the whole body, then the answer): the issue's
     24 MB case, where a server that answers early and closes resets this client."""
     t0 = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s, source_address=(SOURCE.get(), 0))
     try:
         conn.request("POST", path, body=body, headers=headers)
         resp = conn.getresponse()
