@@ -61,7 +61,69 @@ def test_six_huge_chat_bodies_do_not_stall_health(info, fake):
         assert max(t for _, t in answers) < 5.0
         with httpx.Client(base_url=r.url, timeout=30) as http:
             resp = http.post("/tokenize", content=huge, headers=JSON)
-            assert resp.json()["error"]["param"] == "messages" and "100000" in resp.json()["error"]["message"]
+            # 100,000 messages and the list and the body: 100,002 containers, refused by the count of containers, before the shape.
+            assert "100002 JSON arrays and objects; at most 65536" in resp.json()["error"]["message"]
+            resp = http.post("/tokenize", content=_chat_body(5000), headers=JSON)
+            assert resp.json()["error"]["param"] == "messages" and "5000" in resp.json()["error"]["message"]
+
+
+# The audit after the first fixes: bodies of millions of tiny containers, each parsed and validated
+# in one C call holding the GIL (11 s for the first), restarted the router with no key needed.
+TINY_CONTAINERS = [
+    ("/detokenize", {"tokens": [[1]] * 2_000_000}),                          # 10 MB
+    ("/v1/completions", {"prompt": "hi", "unknown": [{}] * 200_000}),         # a field nobody reads
+    ("/v1/completions", {"prompt": [["a"]] * 100_000}),                      # a union's every member failed per item
+    ("/detokenize", {"tokens": [1] * 3_000_000}),                            # 3M values, a 39 MB answer
+]
+
+
+def test_bodies_of_millions_of_tiny_containers_are_refused_from_their_bytes(info, fake):
+    bodies = [(path, json.dumps(b).encode()) for path, b in TINY_CONTAINERS]
+    with _router(info, fake) as r:
+        worst, answers = _health_while(r.url, bodies * 2)
+        assert worst < 0.5, worst
+        assert [s for s, _ in answers] == [400] * len(bodies) * 2
+        assert max(t for _, t in answers) < 1.0, answers
+        with httpx.Client(base_url=r.url, timeout=30) as http:
+            messages = [http.post(path, content=body, headers=JSON).json()["error"]["message"] for path, body in bodies]
+    assert "2000002 JSON arrays and objects; at most 65536" in messages[0]
+    assert "200002 JSON arrays and objects" in messages[1]
+    assert "100002 JSON arrays and objects" in messages[2]
+    assert "3000001 JSON values; at most 1048576" in messages[3]
+
+
+def test_json_counts_skip_what_strings_hold():
+    """The close count ignores brackets and commas inside strings, escaped quotes included; the
+    bound from raw bytes is used only under the threshold."""
+    from pagedserve.services.router.openai_schema import json_counts
+    text = 'a, [b] {c}, \\"quoted, [x]\\" \\\\'                     # escapes: \\" and \\\\ in the JSON
+    raw = json.dumps({"prompt": text * 2000, "stop": ["a", "b"], "n": [[1], {}]}).encode()
+    assert raw.count(b",") > 4096                    # over the threshold (_PRECISE_FROM): counted closely
+    # Containers: the body, stop, n, [1], {}. Commas: 2 between the fields, 1 in stop, 1 in n.
+    assert json_counts(raw) == (5 + 4, 5)
+    small = b'{"a": [1, 2, {"b": "[,]"}]}'
+    assert json_counts(small) == (4 + 3, 4)          # under the threshold: the raw bound, strings counted
+
+
+def test_limits_that_used_to_wait_for_costly_work(info, fake):
+    """Audit after the first fixes, finding 2: a batch of too many prompts was refused after it was
+    parsed and validated; 16 prompts too long for the context after all 16 were tokenized (4.7 s);
+    stop_token_ids had no bound."""
+    too_long = "\U0001F600" * (info.max_prompt_chars // 8)       # each emoji several tokens: far past the context
+    with _router(info, fake) as r, httpx.Client(base_url=r.url, timeout=30) as http:
+        t0 = time.monotonic()
+        resp = http.post("/v1/completions", json={"prompt": [too_long] * 16, "max_tokens": 1})
+        assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
+        assert time.monotonic() - t0 < 1.0
+        resp = http.post("/v1/completions", json={"prompt": ["hi"] * 65, "max_tokens": 1})
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == "at most 64 prompts per request, got 65"
+        assert resp.json()["error"]["param"] == "prompt"
+        tokens = http.post("/tokenize", json={"prompt": "hi there"}).json()["tokens"]
+        resp = http.post("/v1/completions", json={"prompt": tokens * 3, "max_tokens": 1})   # one prompt of ids
+        assert resp.status_code == 200, resp.text
+        resp = http.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": [1] * 1025})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop_token_ids"
+        assert http.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": [1] * 1024}).status_code == 200
 
 
 def test_large_bodies_within_the_limits_are_served_off_the_loop(info, fake):
@@ -124,9 +186,10 @@ def test_a_post_that_is_not_json_is_415(info, fake):
                 err = resp.json()["error"]
                 assert err["code"] == 415 and err["type"] == "invalid_request_error"
                 assert err["param"] == "Content-Type"
-            ok = http.post(path, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
-            assert ok.status_code == 200, (path, ok.text)
-    assert len(fake.messages(protocol.AddRequest)) == 2     # only the two JSON /v1 posts ran
+            for json_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+                ok = http.post(path, content=body, headers={"Content-Type": json_type})
+                assert ok.status_code == 200, (path, json_type, ok.text)
+    assert len(fake.messages(protocol.AddRequest)) == 4     # only the JSON /v1 posts ran (+json too, as FastAPI and vLLM)
 
 
 # ---- 6: a 413 (and a 401) every client can read -------------------------------------------------
@@ -339,12 +402,13 @@ def test_list_lengths_are_read_before_the_body_is_parsed():
 
     def refusal(raw: bytes) -> str:
         with pytest.raises(APIError) as e:
-            openai_schema.parse_body(raw, openai_schema.TokenizeRequest, {"messages": 4096})
+            openai_schema.parse_body(raw, openai_schema.TokenizeRequest,
+                                     openai_schema.BodyLimits(lists={"messages": 4096}))
         return e.value.body()["error"]["message"]
 
-    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] * 100_000}).encode()
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] * 60_000}).encode()
     t0 = time.perf_counter()
-    assert refusal(big) == "messages holds 100000 items; at most 4096 are accepted"
+    assert refusal(big) == "messages holds 60000 items; at most 4096 are accepted"
     fast = time.perf_counter() - t0
     t0 = time.perf_counter()
     json.loads(big)
@@ -352,4 +416,4 @@ def test_list_lengths_are_read_before_the_body_is_parsed():
     assert "valid list" in refusal(b'{"messages": "x"}')
     assert "not valid JSON" in refusal(b"not json")
     assert "nested more than" in refusal(b'{"prompt": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}")
-    assert "nested more than" in refusal(b"[" * 100_000 + b"]" * 100_000)
+    assert "nested more than" in refusal(b"[" * 60_000 + b"]" * 60_000)

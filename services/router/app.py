@@ -38,9 +38,9 @@ from pagedserve.services.router.guard import Guard
 from pagedserve.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from pagedserve.services.router.model_info import ModelInfo
 from pagedserve.services.router.offload import Offload
-from pagedserve.services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest, openapi_body, parse_body,
-                                           validation_error)
+from pagedserve.services.router.openai_schema import (MAX_STOP_TOKEN_IDS, BodyLimits, ChatCompletionRequest,
+                                                     CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                                     openapi_body, parse_body, validation_error)
 from pagedserve.services.router.replicas import Backends
 from pagedserve.services.router.tokenization import detokenize, tokenize
 from pagedserve.services.state import StateStore, hash_api_key
@@ -48,6 +48,8 @@ from pagedserve.services.state import StateStore, hash_api_key
 log = logging.getLogger("pagedserve.router")
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# application/json, and the structured-syntax types built on it (application/merge-patch+json ...).
+_JSON_TYPE = re.compile(r"application/(?:[a-z0-9.!#$&^_-]+\+)?json")
 # What a request's record holds for the routers alone: where it runs, and its ids there.
 INTERNAL_RECORD_FIELDS = frozenset({"replica_endpoint", "backend_ids"})
 
@@ -129,16 +131,21 @@ class RouterContext:
         if bad:
             raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {self.info.vocab_size})", param)
 
-    async def read_json(self, request: Request, model):
+    async def read_json(self, request: Request, model, prompts: str | None = None):
         """The request's body as `model`, and its size in bytes (what decides whether its later
-        work runs off the loop). JSON only: a text/plain or form POST is one a web page may send
-        cross-origin without a CORS preflight, so it is refused (415) before its body is read."""
+        work runs off the loop). JSON only (application/json, or a +json type as FastAPI and vLLM
+        take): a text/plain or form POST is one a web page may send cross-origin without a CORS
+        preflight, so it is refused (415) before its body is read. `prompts` names the field that
+        holds a batch of prompts, bounded before the body is parsed."""
         kind = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
-        if kind != "application/json":
+        if not _JSON_TYPE.fullmatch(kind):
             raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                                 f"got {kind or 'no Content-Type'}", "Content-Type")
         raw = await request.body()
-        limits = {"messages": self.config.max_chat_messages}
+        limits = BodyLimits(values=self.config.max_json_values, containers=self.config.max_json_containers,
+                            lists={"messages": self.config.max_chat_messages,
+                                   "stop_token_ids": MAX_STOP_TOKEN_IDS},
+                            batches={prompts: self.max_batch_prompts} if prompts else {})
         return await self.off_loop(parse_body, raw, model, limits, size=len(raw)), len(raw)
 
     async def off_loop(self, fn, *args, size: int, refuse: bool = True):
@@ -160,6 +167,14 @@ class RouterContext:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
+    def check_fits(self, prompt_len: int, prompt_param: str) -> None:
+        """A prompt of prompt_len tokens leaves room for a completion, or a 400 (as vLLM's)."""
+        limit = self.info.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                              f"{prompt_param} has {prompt_len} tokens, leaving no room for a completion.",
+                              prompt_param)
+
     def fit_max_tokens(self, prompt_lens: list[int], asked: int | None, prompt_param: str) -> int:
         """max_tokens as sent to the engine: what was asked (None: the rest of the context),
         shortened to the room the shortest prompt leaves, as vLLM does. The scheduler ends each
@@ -167,11 +182,7 @@ class RouterContext:
         A prompt that does not fit by itself is a 400, and so (as in vLLM) is a max_tokens that
         could not fit even after an empty prompt."""
         limit = self.info.max_model_len
-        longest = max(prompt_lens)
-        if longest >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
-                              f"{prompt_param} has {longest} tokens, leaving no room for a completion.",
-                              prompt_param)
+        self.check_fits(max(prompt_lens), prompt_param)
         if asked is not None and asked > limit:
             raise bad_request(f"max_tokens={asked} cannot be greater than the model's maximum context "
                               f"length of {limit} tokens", "max_tokens")

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedserve.services.router.errors import APIError, bad_request
 from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
+
+
+T = TypeVar("T")
+# A list whose validation stops at its first bad item: pydantic otherwise builds an error for every
+# item, for every member of a union (a prompt of 65,536 `["a"]` took 1.1 s, holding the GIL).
+FastList = Annotated[list[T], Field(fail_fast=True)]
 
 
 class _Strict(BaseModel):
@@ -47,8 +56,8 @@ class _SamplingFields(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | FastList[str] | None = None
+    stop_token_ids: FastList[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     use_beam_search: bool = False
@@ -79,7 +88,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | FastList[int] | FastList[str] | FastList[FastList[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -101,7 +110,7 @@ class ChatMessage(_Strict):
 class _ChatTemplateFields(_Strict):
     """What the chat template is rendered from (services/router/chat.py render_prompt); chat
     completions and /tokenize take the same fields, with vLLM's defaults."""
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: FastList[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False          # as vLLM: the chat template writes the BOS itself
@@ -128,14 +137,14 @@ class TokenizeRequest(_ChatTemplateFields):
     the two. add_special_tokens defaults by form, as in vLLM: true for a prompt, false for chat."""
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: FastList[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: FastList[int]
 
 
 def openapi_body(model: type[BaseModel]) -> dict:
@@ -157,10 +166,26 @@ def openapi_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def parse_body(raw: bytes, model: type[BaseModel], max_items: dict[str, int] | None = None) -> Any:
-    """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape. max_items
-    bounds the length of top-level lists (messages), checked before the costly validation."""
-    _check_list_lengths(raw, max_items or {})
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a body may hold, read from its bytes and its shape before it is parsed (issue 28).
+
+    Parsing and validating hold the GIL for the whole body (json.loads and pydantic are single C
+    calls), so a body's cost must be bounded before either runs, even in the offload pool: one
+    `/detokenize` of 2,000,000 `[1]` (10 MB) took 11 s and restarted the router. Every container
+    costs a Python object and a validation step; every value at least an object."""
+    values: int = 1 << 20                       # array items and object members, containers included
+    containers: int = 1 << 16                   # arrays and objects, at any depth
+    lists: Mapping[str, int] = field(default_factory=dict)    # top-level lists: their most items
+    # Top-level fields that are a prompt or a batch of them: their most prompts (a flat list of
+    # token ids is one prompt, bounded by the context, not counted here).
+    batches: Mapping[str, int] = field(default_factory=dict)
+
+
+def parse_body(raw: bytes, model: type[BaseModel], limits: BodyLimits | None = None) -> Any:
+    """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape. The limits
+    are checked before anything is parsed."""
+    _check_limits(raw, limits or BodyLimits())
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -185,25 +210,63 @@ def parse_body(raw: bytes, model: type[BaseModel], max_items: dict[str, int] | N
         raise validation_error(e.errors()) from None
 
 
-def _check_list_lengths(raw: bytes, max_items: dict[str, int]) -> None:
-    """A top-level list longer than max_items[name] -> 400, read before the body is parsed.
+def _check_limits(raw: bytes, limits: BodyLimits) -> None:
+    values, containers = json_counts(raw)
+    if containers > limits.containers:
+        raise bad_request(f"The request body holds {containers} JSON arrays and objects; at most "
+                          f"{limits.containers} are accepted")
+    if values > limits.values:
+        raise bad_request(f"The request body holds {values} JSON values; at most {limits.values} are accepted")
+    # After the counts: a list of millions of items takes msgspec ~0.3 s to cut into raw items.
+    _check_list_lengths(raw, limits)
+
+
+def json_counts(raw: bytes) -> tuple[int, int]:
+    """(values, containers) of a JSON text, from its bytes, never parsed: containers are its `[`
+    and `{`, values those plus its `,` (each separates two items or members), all outside strings.
+
+    The counts of the raw bytes bound them from above and cost ~1 ms per 10 MB; only a body over
+    a limit by that bound is looked at closely: strings masked with numpy (a quote toggles, once
+    the escaped backslashes and quotes are gone), whose loops release the GIL; ~100 ms for 16 MB."""
+    bound_containers = raw.count(b"[") + raw.count(b"{")
+    bound_values = bound_containers + raw.count(b",")
+    if bound_values <= _PRECISE_FROM:
+        return bound_values, bound_containers
+    flat = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    outside = (np.cumsum(flat == ord('"'), dtype=np.uint8) & 1) == 0    # uint8: only the parity matters
+    opens = np.count_nonzero(((flat == ord("[")) | (flat == ord("{"))) & outside)
+    commas = np.count_nonzero((flat == ord(",")) & outside)
+    return int(opens + commas), int(opens)
+
+
+# Bodies whose raw counts stay under every limit need no close look (the smallest limit a router
+# may be given is far above what a normal request holds).
+_PRECISE_FROM = 4096
+
+
+def _check_list_lengths(raw: bytes, limits: BodyLimits) -> None:
+    """A top-level list longer than its limit -> 400, read before the body is parsed.
 
     msgspec reads only the body's shape here: the named lists' items stay raw bytes, never Python
     objects. A 100,000-message body (3.4 MB) is refused in ~12 ms, where json.loads alone takes
     ~70 ms holding the GIL, which stalls the event loop even from the offload pool (issue 28).
     A body whose shape does not fit (not JSON, a field of another type) is left to the full parse,
     which names the problem."""
-    if not max_items:
+    names = tuple(sorted({*limits.lists, *limits.batches}))
+    if not names:
         return
-    shape = _shape_decoder(tuple(sorted(max_items)))
     try:
-        lists = shape.decode(raw)
+        lists = _shape_decoder(names).decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):   # deep: msgspec's own limit
         return
-    for name, most in max_items.items():
+    for name, most in limits.lists.items():
         items = getattr(lists, name)
-        if items is not None and len(items) > most:
+        if isinstance(items, list) and len(items) > most:
             raise bad_request(f"{name} holds {len(items)} items; at most {most} are accepted", name)
+    for name, most in limits.batches.items():
+        items = getattr(lists, name)
+        if isinstance(items, list) and len(items) > most and bytes(items[0])[:1] in (b'"', b"["):
+            raise bad_request(f"at most {most} prompts per request, got {len(items)}", name)
 
 
 _SHAPES: dict[tuple[str, ...], msgspec.json.Decoder] = {}
@@ -211,7 +274,8 @@ _SHAPES: dict[tuple[str, ...], msgspec.json.Decoder] = {}
 
 def _shape_decoder(names: tuple[str, ...]) -> msgspec.json.Decoder:
     if names not in _SHAPES:
-        fields = [(n, list[msgspec.Raw] | None, None) for n in names]
+        # A text (a prompt) decodes too, and is left alone; any other type leaves the check to the parse.
+        fields = [(n, list[msgspec.Raw] | str | None, None) for n in names]
         _SHAPES[names] = msgspec.json.Decoder(msgspec.defstruct("Shape", fields))
     return _SHAPES[names]
 
@@ -351,6 +415,9 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
 MAX_TEMPERATURE = 2.0
 # The sampler adds each bias row by row every step: a bound keeps a request from slowing its batch.
 MAX_LOGIT_BIAS = 1024
+# The scheduler checks each new token against them; vLLM sets no bound, a vocabulary's worth would
+# travel with every step message (checked from the body's shape, before it is parsed).
+MAX_STOP_TOKEN_IDS = 1024
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
 
 

@@ -59,6 +59,12 @@ class RouterOptions(cf.GrammarOptions):
                                  "Retry-After beyond it)", check=at_least(0))
     max_chat_messages: int = opt(4096, "messages a chat request or /tokenize body may hold (400 beyond it, "
                                        "before they are validated or rendered)", check=at_least(1))
+    # Parsing holds the GIL for the whole body: its JSON is bounded from its bytes before it is
+    # parsed (services/router/openai_schema.py BodyLimits; issue 28).
+    max_json_values: int = opt(1 << 20, "JSON values (array items, object members) a request body may hold "
+                                        "(400 beyond it, before it is parsed)", check=at_least(4096))
+    max_json_containers: int = opt(1 << 16, "JSON arrays and objects a request body may hold (400 beyond it, "
+                                            "before it is parsed)", check=at_least(4096))
     token_text_cache_mb: float = opt(16.0, "MiB of single-token texts and bytes a router keeps for logprobs "
                                            "(the least recently used go first)", check=positive)
     request_timeout_s: float | None = opt(None, "seconds a request may take in all; then it is aborted, its "
