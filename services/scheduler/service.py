@@ -112,8 +112,8 @@ class SchedulerService:
         # The kvstore is pinged as well while the worker loads its model, or it would take the
         # silence for a scheduler that is gone.
         self._wait_for(lambda: (self.kv.ping("scheduler", 1.0),
-                                self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0)), "worker",
-                       self.worker.endpoint)
+                                self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0),
+                                self._worker_beat_answered()), "worker", self.worker.endpoint)
         self.pool_info = info
         self.mirror = self._new_mirror(snapshot)
         max_len = context_length(config.max_model_len, spec)
@@ -155,6 +155,29 @@ class SchedulerService:
             if self.worker_watch.stuck():
                 raise PeerTimeout(f"the worker at {self.worker.endpoint} is stuck: no heartbeat progress "
                                   f"for {self.worker_watch.silent_for():.1f} s")
+
+    def _worker_beat_answered(self) -> None:
+        """PeerTimeout until the worker's heartbeat has answered (since start, or since lost()):
+        only then does its silence mean something."""
+        if self.worker_watch is None:
+            return
+        deadline = time.monotonic() + 1.0
+        while not self.worker_watch.answered():
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"the worker's heartbeat at {self.worker_watch.endpoint} has not answered")
+            self.worker_watch.poke()
+            time.sleep(0.05)
+
+    def lost(self, why: str) -> None:
+        """A step failed (a peer died, hung or diverged): every request ends with the error, and the
+        replica is not ready until the heartbeat finds every peer answering again. The worker's
+        watch forgets the worker it watched: a replacement is judged by its own heartbeat, not by
+        the silence of the one it replaces (a request just after /ready said 'stuck' of a worker
+        still loading, when the old worker's last answer was 3 s old)."""
+        self.ready = False
+        self.fail_all(why)
+        if self.worker_watch is not None:
+            self.worker_watch.restart()
 
     def _kvstore_same(self) -> None:
         """Ping the kvstore by asking for its pools: different pool names mean it restarted (its
@@ -352,10 +375,14 @@ class SchedulerService:
             except (PeerTimeout, KVStoreError) as e:   # KVStoreError: a kvstore still sizing its pools
                 log.error("the %s at %s stopped answering: %s", name, endpoint, e)
                 ok = False
+                if name == "worker" and self.worker_watch is not None:
+                    self.worker_watch.restart()     # its replacement is watched afresh (lost())
         if self.worker_watch is not None:
             self.worker_watch.poke()
             if self.worker_watch.stuck():
                 log.error("the worker at %s is stuck (no heartbeat progress)", self.worker.endpoint)
+                ok = False
+            elif not self.worker_watch.answered():   # a worker since lost(): not ready before its heartbeat is
                 ok = False
         if self.ready and not ok:
             self.fail_all("an engine process stopped answering")
@@ -509,8 +536,7 @@ def run(config: Config) -> int:
             svc.heartbeat()
         except (PeerTimeout, RuntimeError) as e:
             log.error("%s", e)
-            svc.ready = False
-            svc.fail_all(str(e))
+            svc.lost(str(e))
     # Requests still running end with an error their clients see (a 503), not a cut connection.
     svc.publish()
     svc.fail_all("the engine is shutting down")
