@@ -74,7 +74,7 @@ def cmd_demo(args) -> int:
     with Engine(EngineConfig(model=str(model_dir)).validate()) as engine:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
         for prompt, out in zip(prompts, outputs):
-            print(f"--- prompt {prompt!r}\n{out.text!r}")
+            print(f"--- prompt {prompt!r}\n{out.outputs[0].text!r}")
         print(json.dumps(engine.stats(), indent=2))
     return 0
 

@@ -122,3 +122,18 @@ def test_up_refuses_bad_settings_before_starting_anything(capsys, tiny_llama):
         except SystemExit as e:     # argparse-style refusals exit 2
             code, err = e.code, capsys.readouterr().err
         assert_one_line_error(code, err, needle)
+
+
+def test_make_demo_runs():
+    """`make demo` as a newcomer runs it, in the repository (it builds .cache/tiny-llama on first
+    use, as `make serve` does). STAMP= skips the venv set-up: the interpreter running the tests is
+    the venv; PYTHONPATH makes its console script import this checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), HF_HUB_OFFLINE="1")
+    res = subprocess.run(["make", "-s", "demo", "STAMP=", f"BIN={Path(sys.executable).parent}"], cwd=repo,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert res.stdout.count("--- prompt ") == 4
+    stats = json.loads(res.stdout[res.stdout.index("\n{") + 1:])
+    assert stats["device_blocks_peak_used"] > 0
