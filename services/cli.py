@@ -19,7 +19,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_config(args):
     from pagedserve.services.engine_config import EngineConfig
     from pagedserve.services.flags import from_args
-    return from_args(EngineConfig, args)
+    from pagedserve.services.tiny_model import resolve_model
+    config = from_args(EngineConfig, args)
+    config.model = resolve_model(config.model)   # 'tiny' as `serve tiny` takes it
+    return config
 
 
 def cmd_tiny_model(args) -> int:
@@ -112,6 +115,7 @@ def _service_args(argv: list[str]):
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedserve.services.process import OneLineParser
+    from pagedserve.services.tiny_model import TINY_DIR
     parser = OneLineParser(prog="pagedserve", description="LLM serving on PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -142,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service_commands(sub)
 
     p = sub.add_parser("demo", help="offline engine demo on a tiny model (built on first use)")
-    p.add_argument("--model-dir", default=".cache/tiny-llama")
+    p.add_argument("--model-dir", default=str(TINY_DIR), help="the tiny model's folder (built there if empty)")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -26,9 +26,7 @@ from pagedserve.services.config_fields import allocation_check, at_least, positi
 from pagedserve.services.flags import ConfigError, add_flags, check_config, from_args, opt
 from pagedserve.services.router.options import RouterOptions, passed_down
 from pagedserve.services.supervisor import Child, Supervisor
-
-TINY_DIR = Path(".cache/tiny-llama")
-
+from pagedserve.services.tiny_model import resolve_model
 
 @dataclass
 class Config(RouterOptions):
@@ -103,16 +101,6 @@ def config_from_args(args) -> Config:
         raise ConfigError(f"the model is given twice: {tag!r} and --model {args.model!r}")
     return from_args(Config, {k: v for k, v in vars(args).items() if k != "model_tag"},
                      **({"model": tag} if tag is not None else {})).validate()
-
-
-def resolve_model(model: str) -> str:
-    if model != "tiny":
-        return model
-    if not (TINY_DIR / "config.json").exists():
-        from pagedserve.services.tiny_model import build_tiny_model
-        print(f"building the tiny model in {TINY_DIR} (first use only) ...", file=sys.stderr, flush=True)
-        build_tiny_model(TINY_DIR, arch="llama")
-    return str(TINY_DIR)
 
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:

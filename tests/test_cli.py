@@ -35,6 +35,15 @@ def test_generate_json(capsys, tiny_llama):
     assert data["stats"]["device_blocks_used"] == 0
 
 
+def test_generate_model_tiny_as_serve_takes_it(capsys, tiny_llama, tmp_path, monkeypatch):
+    """'tiny' names .cache/tiny-llama under the working folder (built there on first use)."""
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "tiny-llama").symlink_to(tiny_llama)
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys, "generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "3", "--json")
+    assert code == 0 and len(json.loads(out)["outputs"]) == 1
+
+
 def test_generate_sampling_flags(capsys, tiny_llama):
     code, out, _ = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt", "x", "--max-tokens", "4",
                            "--n", "2", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "1",
