@@ -14,12 +14,12 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.config_fields import allocation_check, at_least, positive
@@ -38,6 +38,10 @@ class Config(RouterOptions):
                     check=lambda v: 0 < v < 65536 or "must be in [1, 65535]")
     routers: int = opt(1, "HTTP routers (more than one needs --redis-url)", check=at_least(1))
     redis_url: str | None = cf.redis_url()
+    # The `engine` label of every metric and the name /ready gives: stable across restarts (a
+    # name per start made a new series each time) and unique among stacks that share a Redis.
+    replica_id: str | None = opt(None, "this replica's name: the engine label of its metrics, its key in Redis "
+                                       "(default: local; with --redis-url HOST:PORT of the first router)")
     max_model_len: int | None = cf.max_model_len()
     num_device_blocks: int | None = cf.num_device_blocks()
     kv_cache_memory_bytes: int | None = cf.kv_cache_memory_bytes()
@@ -150,7 +154,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                                      "--preemption-mode", cfg.preemption_mode, "--batching", cfg.batching,
                                      "--log-level", cfg.log_level,
-                                     "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}",
+                                     "--replica-id", replica_id(cfg),
                                      "--heartbeat-endpoint", sched_beat, "--worker-heartbeat-endpoint", worker_beat,
                                      "--shutdown-timeout", str(cfg.shutdown_timeout_s), *hang]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
@@ -163,6 +167,12 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                           "--router-id", f"router-{i}", "--log-level", cfg.log_level]
                       + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + context + router_flags))
     return procs
+
+
+def replica_id(cfg: Config) -> str:
+    if cfg.replica_id:
+        return cfg.replica_id
+    return f"{socket.gethostname()}:{cfg.port}" if cfg.redis_url else "local"
 
 
 def heartbeat_endpoints(run_dir: str) -> tuple[str, str]:
@@ -190,7 +200,6 @@ def worker_threads_auto(device: str, tp: int) -> int:
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -207,7 +216,6 @@ def _ready(url: str) -> bool:
 def _port_taken(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on, or None (checked before anything starts: the router
     would only find out after its model loaded)."""
-    import socket
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
         try:

@@ -1,9 +1,10 @@
 """What a newcomer sees from `pagedserve serve tiny`: a start-up log with no ERROR line and
 Ctrl-C (SIGINT to the terminal's foreground process group) that ends it cleanly, exit 0, with no
-traceback; and a router that waits for a scheduler still starting without calling it an error."""
+traceback, its replica named `local` in /ready and in the metrics' engine label; and a router that waits for a scheduler still starting without calling it an error."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -38,8 +39,16 @@ def test_serve_tiny_starts_quietly_and_ctrl_c_ends_it_cleanly(tiny_llama, tmp_pa
         while "pagedserve is ready" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10) as r:
-            assert r.status == 200
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(url + "/ready", timeout=10) as r:
+            assert json.load(r)["ready_replicas"] == ["local"]
+        body = json.dumps({"model": ".cache/tiny-llama", "prompt": "x", "max_tokens": 2}).encode()
+        urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
+                                                      {"Content-Type": "application/json"}), timeout=60).close()
+        # The engine label is the replica id /ready gives: the same at every start.
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'vllm:e2e_request_latency_seconds_count{engine="local",model_name=' in metrics
         # What Ctrl-C does, twice, as an impatient user presses it while the stack drains (a
         # router that got both cut its shutdown short with uvicorn's CancelledError traceback).
         os.killpg(proc.pid, signal.SIGINT)
