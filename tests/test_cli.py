@@ -1,6 +1,7 @@
 """The command line: generate --json, tiny-model, and one clear stderr line for every bad input."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -146,3 +147,40 @@ def test_make_demo_runs():
     assert res.stdout.count("--- prompt ") == 4
     stats = json.loads(res.stdout[res.stdout.index("\n{") + 1:])
     assert stats["device_blocks_peak_used"] > 0
+
+
+def all_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser: pagedserve's, its services' and loadgen's."""
+    import importlib
+    from pagedserve.loadgen.cli import parser as loadgen_parser
+    from pagedserve.services.cli import SERVICES, build_parser
+    from pagedserve.services.process import OneLineParser
+    subs = lambda p: p._subparsers._group_actions[0].choices.items()
+    parsers = {f"pagedserve {n}": p for n, p in subs(build_parser())}
+    for name, (module, _, *adder) in SERVICES.items():
+        parsers[f"pagedserve {name}"] = p = OneLineParser(prog=name)
+        getattr(importlib.import_module(module), adder[0] if adder else "add_arguments")(p)
+    parsers.update({f"loadgen {n}": p for n, p in subs(loadgen_parser())})
+    return parsers
+
+
+def test_every_argument_is_described_and_every_optional_flag_shows_its_default():
+    for command, parser in all_parsers().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = action.option_strings[0] if action.option_strings else action.dest
+            assert action.help, f"{command} {name} has no help"
+            if action.option_strings and not action.required:
+                assert "default" in action.help, f"{command} {name}: no default in {action.help!r}"
+
+
+def test_output_paths_print_normalized(tmp_path, capsys):
+    """`--out r/` prints r/compare.md, not r//compare.md."""
+    from pagedserve.loadgen.cli import main as loadgen_main
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"label": "x", "completed": 0, "failed": 0, "request_throughput": 0,
+                                                  "output_throughput": 0, "request_rate": None}))
+    assert loadgen_main(["compare", str(run), "--out", f"{tmp_path}/cmp/"]) == 0
+    assert capsys.readouterr().out == f"comparison in {tmp_path}/cmp/compare.md\n"
