@@ -92,7 +92,7 @@ async def run(cfg: AttackSoakConfig, stack: Stack, model: str, keys: dict[str, s
 
 def attack_soak(cfg: AttackSoakConfig) -> dict:
     """Start the stack, run both phases, stop it; the report with its targets checked."""
-    from pagedserve.services.launcher import resolve_model
+    from pagedserve.services.tiny_model import resolve_model
     model = resolve_model(cfg.model)
     keys = {name: f"{name.replace(':', '-')}-{secrets.token_hex(6)}" for name in ("normal", *KEYED)}
     stack = Stack(model, *stack_flags(cfg, list(keys.values())))

@@ -7,6 +7,7 @@ A run that cannot start (server down, bad trace, bad flag) is one line on stderr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.loadgen.traces import TraceError
     try:
         cfg = from_args(cls, {k: v for k, v in vars(args).items() if k != "command"})
+        cfg.out = os.path.normpath(cfg.out)     # `--out r/` names r/report.md, not r//report.md
         writable_folder(cfg.out)
         return _run(args.command, cfg)
     except (ConfigError, ReplayError, TraceError) as e:

@@ -68,8 +68,8 @@ class ReplayConfig:
     fit: str = opt("scale", "scale: shrink every length so the p99 request fits, cap the rest (a trace "
                             "block stays at least one KV block); filter: drop requests that do not fit",
                    choices=FIT_MODES)
-    num_requests: int | None = opt(None, "requests to send (default: 1000 for a drawn workload, "
-                                         "the whole file for a trace)", check=_at_least(1))
+    num_requests: int | None = opt(None, "requests to send, at most (default: 200, or with --duration "
+                                         "every request that arrives within it)", check=_at_least(1))
     duration: float | None = opt(None, "send only requests that arrive within this many seconds", check=_positive)
     kv_block_size: int = opt(16, "the server's KV block size: a trace block becomes a whole number of them",
                              check=_at_least(1))
@@ -126,6 +126,9 @@ class SweepConfig(ReplayConfig):
                            check=_at_least(1))
     max_normalized_latency: float | None = opt(None, "mark the highest rate whose normalized latency (s/token) "
                                                      "stays under this", check=_positive)
+    # Per rate: a sweep is several replays; 1000 a rate at a tiny model's few req/s was ~45 min.
+    num_requests: int | None = opt(None, "requests per rate, at most (default: 100, or with --duration "
+                                         "every request that arrives within it)", check=_at_least(1))
 
     def rate_values(self) -> list[float] | None:
         """The rates asked for, or None for auto."""

@@ -22,7 +22,9 @@ from pagedserve.loadgen.scrape import Scraper
 from pagedserve.loadgen.traces import SYNTHETIC, load_trace
 from pagedserve.loadgen.workload import FIT_SAMPLE, Plan, PlannedRequest, build_plan
 
-DEFAULT_DRAWN = 1000          # requests drawn from a distribution when --num-requests is not given
+DEFAULT_REQUESTS = 200        # sent when neither --num-requests nor --duration bounds a run (a whole
+                              # trace file was 19,365 requests: hours at a few req/s)
+LONG_RUN_S = 600.0            # arrivals spread over longer than this are announced as a warning
 FIRST_TOKEN_ID = 10           # token-id prompts avoid the lowest ids (specials in most vocabularies)
 
 
@@ -60,6 +62,7 @@ async def run_replay(cfg: ReplayConfig, plan: Plan | None = None) -> RunResult:
         server = await discover(session, cfg)
         if plan is None:
             plan = make_plan(cfg, server)
+            print(plan_line(cfg, plan), file=sys.stderr, flush=True)
         target = Target(cfg.url.rstrip("/"), server.model, cfg.endpoint, cfg.api_key, cfg.stream,
                         cfg.temperature, cfg.force_output_len, cfg.send_true_output_len)
         return await _run(session, cfg, server, plan, target)
@@ -99,9 +102,9 @@ def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
             codec = TextCodec(cfg.tokenizer, chat=cfg.endpoint == "chat")
         except (OSError, ValueError) as e:
             raise ReplayError(f"--tokenizer {cfg.tokenizer}: {e}") from None
+    count = request_count(cfg)
     if cfg.trace in SYNTHETIC:
-        wanted = cfg.num_requests or (max(DEFAULT_DRAWN, math.ceil(cfg.rate * cfg.duration * 1.2))
-                                      if cfg.duration and not math.isinf(cfg.rate) else DEFAULT_DRAWN)
+        wanted = count or max(DEFAULT_REQUESTS, math.ceil(cfg.rate * cfg.duration * 1.2))
         # At least FIT_SAMPLE: the scale factor comes from the first FIT_SAMPLE draws, so that
         # the same seed gives the same requests whatever the count, the rate or the duration.
         limit = max(wanted + cfg.warmup, FIT_SAMPLE)
@@ -118,7 +121,7 @@ def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
         plan = build_plan(trace, max_model_len=server.max_model_len, fit_mode=cfg.fit,
                           kv_block_size=cfg.kv_block_size, seed=cfg.seed, rate=cfg.rate,
                           burstiness=cfg.burstiness, trace_times=cfg.trace_times, speed=cfg.speed,
-                          duration=cfg.duration, num_requests=cfg.num_requests, warmup=cfg.warmup,
+                          duration=cfg.duration, num_requests=count, warmup=cfg.warmup,
                           pool=pool, codec=codec)
     except ValueError as e:
         raise ReplayError(str(e)) from None
@@ -127,6 +130,38 @@ def make_plan(cfg: ReplayConfig, server: Server) -> Plan:
     if not plan.requests:
         raise ReplayError(f"no request of the {cfg.trace} trace is left to send ({plan.fit.describe()})")
     return plan
+
+
+def request_count(cfg: ReplayConfig, default: int = DEFAULT_REQUESTS) -> int | None:
+    """--num-requests; or None where --duration bounds the run (arrivals spread in time); else
+    `default`: a run nobody bounded stays short."""
+    if cfg.num_requests:
+        return cfg.num_requests
+    if cfg.duration and (cfg.trace_times or not math.isinf(cfg.rate)):
+        return None
+    return default
+
+
+def span_text(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 \
+        else f"{seconds / 3600:.1f} h"
+
+
+def long_run_line(prog: str, what: str, seconds: float) -> str:
+    """`what` takes `seconds` of arrivals: one line, a warning when that is long."""
+    line = f"{what}: arrivals alone take about {span_text(seconds)}"
+    if seconds > LONG_RUN_S:
+        return (f"{prog}: warning: {line}; --num-requests N or --duration S shortens it "
+                "(Ctrl-C stops and writes what it has)")
+    return f"{prog}: {line}"
+
+
+def plan_line(cfg: ReplayConfig, plan: Plan) -> str:
+    """What the run will send, said before it starts."""
+    what = f"{len(plan.requests):,} requests of {cfg.trace}"
+    if not plan.requests or plan.requests[-1].arrival == 0:
+        return f"loadgen: {what}, all at once"
+    return long_run_line("loadgen", what, plan.requests[-1].arrival)
 
 
 async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: Target) -> RunResult:

@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--hang-timeout", type=float, default=3.0)
     args = p.parse_args(argv)
-    from pagedserve.services.launcher import resolve_model
+    from pagedserve.services.tiny_model import resolve_model
     report = soak(resolve_model(args.model), args.duration, args.redis_url, args.seed, args.concurrency,
                   args.hang_timeout)
     print(report.figures())

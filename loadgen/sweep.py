@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 from pagedserve.loadgen.config import CompareConfig, SweepConfig
-from pagedserve.loadgen.replay import ReplayError, replay
+from pagedserve.loadgen.replay import ReplayError, long_run_line, replay, request_count
 from pagedserve.loadgen.report import jsonable, load_summary, write_outputs
+
+PER_RATE = 100     # requests per rate when neither --num-requests nor --duration is given
 
 
 def auto_rates(saturated_rps: float, points: int) -> list[float]:
@@ -46,9 +49,21 @@ def sweep(cfg: SweepConfig) -> dict:
     rows: list[dict] = []
     percentiles = sorted(set(cfg.percentiles) | {99.0})      # the plot needs p99
 
+    def point(rate: float) -> SweepConfig:
+        one = dataclasses.replace(cfg, rate=rate, trace_times=False, out=str(out / folder_of(rate)),
+                                  percentiles=percentiles)
+        return dataclasses.replace(one, num_requests=request_count(one, PER_RATE))
+
+    def announce(rates: list[float]) -> None:
+        """The whole sweep's length, before its rates run (each replay says its own)."""
+        count = point(1.0).num_requests          # None: --duration bounds each rate
+        each = f"{count} requests" if count else f"{cfg.duration:g} s"
+        seconds = sum(count / r if count else cfg.duration for r in rates)
+        print(long_run_line("loadgen sweep", f"{len(rates)} rates x {each}", seconds), file=sys.stderr, flush=True)
+
     def run(rate: float) -> dict:
+        one = point(rate)
         folder = folder_of(rate)
-        one = dataclasses.replace(cfg, rate=rate, trace_times=False, out=str(out / folder), percentiles=percentiles)
         summary = write_outputs(replay(one), one.out)
         rows.append(row_of(summary, rate, folder))
         return summary
@@ -59,6 +74,7 @@ def sweep(cfg: SweepConfig) -> dict:
         if rates is None:
             saturated = run(math.inf)
             rates = [] if saturated["interrupted"] else auto_rates(saturated["request_throughput"], cfg.auto_points)
+        announce([r for r in dict.fromkeys(rates) if math.isfinite(r)])
         for rate in dict.fromkeys(rates):           # each rate once, in the order given
             if rows and rows[-1]["interrupted"]:
                 break

@@ -19,7 +19,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_config(args):
     from pagedserve.services.engine_config import EngineConfig
     from pagedserve.services.flags import from_args
-    return from_args(EngineConfig, args)
+    from pagedserve.services.tiny_model import resolve_model
+    config = from_args(EngineConfig, args)
+    config.model = resolve_model(config.model)   # 'tiny' as `serve tiny` takes it
+    return config
 
 
 def cmd_tiny_model(args) -> int:
@@ -74,7 +77,7 @@ def cmd_demo(args) -> int:
     with Engine(EngineConfig(model=str(model_dir)).validate()) as engine:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
         for prompt, out in zip(prompts, outputs):
-            print(f"--- prompt {prompt!r}\n{out.text!r}")
+            print(f"--- prompt {prompt!r}\n{out.outputs[0].text!r}")
         print(json.dumps(engine.stats(), indent=2))
     return 0
 
@@ -112,37 +115,43 @@ def _service_args(argv: list[str]):
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedserve.services.process import OneLineParser
+    from pagedserve.services.tiny_model import TINY_DIR
     parser = OneLineParser(prog="pagedserve", description="LLM serving on PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("tiny-model", help="write a tiny random-weight model and a locally trained tokenizer")
-    p.add_argument("dir")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "opt"])
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight model and a locally trained tokenizer",
+                       description="Write a tiny random-weight model (2 layers, hidden 128) and a byte-level BPE "
+                                   "tokenizer trained here on Python's own sources: nothing is downloaded. "
+                                   "transformers and pagedserve both load the folder.")
+    p.add_argument("dir", help="the folder to write (new or empty: nothing of yours is overwritten)")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "opt"],
+                   help="the model's architecture [default: %(default)s]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights [default: %(default)s]")
     p.set_defaults(func=cmd_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with the paged engine")
     _add_engine_flags(p)
-    p.add_argument("--prompt", action="append", required=True)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1, help="parallel samples per prompt (they share its blocks)")
-    p.add_argument("--beam-width", type=int, default=1)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print ids, text and engine stats as JSON")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat the flag for several)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per sequence [default: %(default)s]")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default: %(default)s]")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass [default: %(default)s]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all [default: %(default)s]")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling [default: none, a random one]")
+    p.add_argument("--n", type=int, default=1,
+                   help="parallel samples per prompt (they share its blocks) [default: %(default)s]")
+    p.add_argument("--beam-width", type=int, default=1, help="beam search width; 1 = none [default: %(default)s]")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token [default: off]")
+    p.add_argument("--json", action="store_true", help="print ids, text and engine stats as JSON [default: off]")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("keys", help="write CURVE keys for the internal sockets (kept if present)")
-    p.add_argument("dir")
+    p.add_argument("dir", help="the folder for the server and client keypairs and authorized/")
     p.set_defaults(func=cmd_keys)
 
     _add_service_commands(sub)
 
     p = sub.add_parser("demo", help="offline engine demo on a tiny model (built on first use)")
-    p.add_argument("--model-dir", default=".cache/tiny-llama")
+    p.add_argument("--model-dir", default=str(TINY_DIR), help="the tiny model's folder (built there if empty) [default: %(default)s]")
     p.set_defaults(func=cmd_demo)
     return parser
 

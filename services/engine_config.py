@@ -12,7 +12,8 @@ __all__ = ["ConfigError", "EngineConfig"]
 
 @dataclass
 class EngineConfig:
-    model: str = cf.model()
+    model: str = cf.model("a local Hugging Face folder (config.json, safetensors, tokenizer), or 'tiny': "
+                          "pagedserve generate builds .cache/tiny-llama on first use, as serve does")
     device: str = cf.device()
     dtype: str = cf.dtype()
     block_size: int = cf.block_size()

@@ -60,8 +60,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata["help"]
         if f.metadata["choices"]:
             help_text += f" ({'|'.join(map(str, f.metadata['choices']))})"
-        if default is not dataclasses.MISSING and default not in (None, "", []) and kind is not bool:
-            help_text += f" [default: {_show(default)}]"
+        # Every optional flag says its default (an unset one: "none"), unless its help already does.
+        if default is not dataclasses.MISSING and not f.metadata["positional"] and "default" not in help_text:
+            help_text += f" [default: {_shown_default(default)}]"
         if f.metadata["env"]:
             help_text += f" [env: {f.metadata['env']}]"
         names = [flag_name(f), *f.metadata["aliases"]]
@@ -202,3 +203,9 @@ def _kind_name(kind: Any) -> str:
 
 def _show(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value in (None, "", []) else _show(value)

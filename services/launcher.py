@@ -14,21 +14,19 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.config_fields import allocation_check, at_least, positive
 from pagedserve.services.flags import ConfigError, add_flags, check_config, from_args, opt
 from pagedserve.services.router.options import RouterOptions, passed_down
 from pagedserve.services.supervisor import Child, Supervisor
-
-TINY_DIR = Path(".cache/tiny-llama")
-
+from pagedserve.services.tiny_model import resolve_model
 
 @dataclass
 class Config(RouterOptions):
@@ -40,6 +38,10 @@ class Config(RouterOptions):
                     check=lambda v: 0 < v < 65536 or "must be in [1, 65535]")
     routers: int = opt(1, "HTTP routers (more than one needs --redis-url)", check=at_least(1))
     redis_url: str | None = cf.redis_url()
+    # The `engine` label of every metric and the name /ready gives: stable across restarts (a
+    # name per start made a new series each time) and unique among stacks that share a Redis.
+    replica_id: str | None = opt(None, "this replica's name: the engine label of its metrics, its key in Redis "
+                                       "(default: local; with --redis-url HOST:PORT of the first router)")
     max_model_len: int | None = cf.max_model_len()
     num_device_blocks: int | None = cf.num_device_blocks()
     kv_cache_memory_bytes: int | None = cf.kv_cache_memory_bytes()
@@ -105,16 +107,6 @@ def config_from_args(args) -> Config:
                      **({"model": tag} if tag is not None else {})).validate()
 
 
-def resolve_model(model: str) -> str:
-    if model != "tiny":
-        return model
-    if not (TINY_DIR / "config.json").exists():
-        from pagedserve.services.tiny_model import build_tiny_model
-        print(f"building the tiny model in {TINY_DIR} (first use only) ...", file=sys.stderr, flush=True)
-        build_tiny_model(TINY_DIR, arch="llama")
-    return str(TINY_DIR)
-
-
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
     from pagedserve.services.worker.model_loader import context_length, inspect_model_dir, serving_dtype
@@ -162,7 +154,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                                      "--preemption-mode", cfg.preemption_mode, "--batching", cfg.batching,
                                      "--log-level", cfg.log_level,
-                                     "--replica-id", f"replica-{os.getpid()}-{Path(run_dir).name}",
+                                     "--replica-id", replica_id(cfg),
                                      "--heartbeat-endpoint", sched_beat, "--worker-heartbeat-endpoint", worker_beat,
                                      "--shutdown-timeout", str(cfg.shutdown_timeout_s), *hang]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
@@ -175,6 +167,12 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                           "--router-id", f"router-{i}", "--log-level", cfg.log_level]
                       + (["--redis-url", cfg.redis_url] if cfg.redis_url else []) + context + router_flags))
     return procs
+
+
+def replica_id(cfg: Config) -> str:
+    if cfg.replica_id:
+        return cfg.replica_id
+    return f"{socket.gethostname()}:{cfg.port}" if cfg.redis_url else "local"
 
 
 def heartbeat_endpoints(run_dir: str) -> tuple[str, str]:
@@ -202,7 +200,6 @@ def worker_threads_auto(device: str, tp: int) -> int:
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -219,7 +216,6 @@ def _ready(url: str) -> bool:
 def _port_taken(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on, or None (checked before anything starts: the router
     would only find out after its model loaded)."""
-    import socket
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
         try:

@@ -48,6 +48,7 @@ class RpcClient:
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = ctx or zmq.Context.instance()
         self.sock, self.monitor = self._connect()
+        self.asked = False       # a question sent on this connection waits for its answer
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         sock = self.ctx.socket(zmq.DEALER)
@@ -59,6 +60,7 @@ class RpcClient:
     def _reconnect(self) -> None:
         self.close()
         self.sock, self.monitor = self._connect()
+        self.asked = False
 
     def call(self, msg, timeout_s: float | None = None):
         """Send one message and wait for its answer (a decoded protocol message)."""
@@ -69,8 +71,12 @@ class RpcClient:
         """The first half of a call, for callers that do other work before reading the answer."""
         self._drain_monitor()   # connection events from before this question say nothing about it
         self.sock.send_multipart(protocol.encode(msg), copy=False)
+        self.asked = True
 
-    def receive(self, timeout_s: float | None = None):
+    def receive(self, timeout_s: float | None = None, keep_question: bool = False):
+        """The answer. A timeout drops the connection, so that a late answer is never read as the
+        next question's; with keep_question it keeps it, and the question stands (a peer still
+        starting answers it when it can)."""
         timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -87,6 +93,7 @@ class RpcClient:
             ready = dict(poller.poll(left))
             if self.sock in ready:
                 frames = self.sock.recv_multipart(copy=False)
+                self.asked = False
                 try:
                     return protocol.decode(frames)
                 except protocol.ProtocolError as e:
@@ -95,7 +102,8 @@ class RpcClient:
             if self.monitor in ready and self._disconnected():
                 self._reconnect()
                 raise PeerTimeout(f"{self.endpoint} dropped the connection before answering")
-        self._reconnect()
+        if not keep_question:
+            self._reconnect()
         raise PeerTimeout(f"{self.endpoint} did not answer within {timeout_ms} ms")
 
     def _disconnected(self) -> bool:

@@ -106,7 +106,11 @@ class Supervisor:
             # On 2 cores: the worker's CPU time per run fell from ~3.2 to ~2.3 core-seconds at the
             # same or better tokens/s (loadgen.bench_e2e). An operator's own setting wins.
             env.setdefault("GOMP_SPINCOUNT", "3000")
-        child.proc = subprocess.Popen(child.argv, preexec_fn=_die_with_parent, env=env)
+        # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches the
+        # launcher alone, which stops every child once and in order (scheduler first, to drain).
+        # Signalled by the terminal too, a router got SIGINT and then the launcher's SIGTERM, and
+        # uvicorn cut its shutdown short with a CancelledError traceback.
+        child.proc = subprocess.Popen(child.argv, preexec_fn=_die_with_parent, env=env, process_group=0)
         child.started_at, child.first_ok, child.last_ok = time.monotonic(), None, None
         if child.role == "kvstore":
             self.kvstore_pids.append(child.proc.pid)

@@ -7,12 +7,14 @@ template. Tests and the default demo use these in place of real checkpoints.
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "opt")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+TINY_DIR = Path(".cache/tiny-llama")   # what the model name 'tiny' means to serve, up and generate
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -118,3 +120,13 @@ def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def resolve_model(model: str) -> str:
+    """A model folder as given, or for 'tiny' the tiny Llama in TINY_DIR (built on first use)."""
+    if model != "tiny":
+        return model
+    if not (TINY_DIR / "config.json").exists():
+        print(f"building the tiny model in {TINY_DIR} (first use only) ...", file=sys.stderr, flush=True)
+        build_tiny_model(TINY_DIR, arch="llama")
+    return str(TINY_DIR)

@@ -1,6 +1,7 @@
 """The command line: generate --json, tiny-model, and one clear stderr line for every bad input."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -33,6 +34,15 @@ def test_generate_json(capsys, tiny_llama):
     for o in data["outputs"]:
         assert 1 <= len(o["outputs"][0]["token_ids"]) <= 5 and isinstance(o["outputs"][0]["text"], str)
     assert data["stats"]["device_blocks_used"] == 0
+
+
+def test_generate_model_tiny_as_serve_takes_it(capsys, tiny_llama, tmp_path, monkeypatch):
+    """'tiny' names .cache/tiny-llama under the working folder (built there on first use)."""
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "tiny-llama").symlink_to(tiny_llama)
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys, "generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "3", "--json")
+    assert code == 0 and len(json.loads(out)["outputs"]) == 1
 
 
 def test_generate_sampling_flags(capsys, tiny_llama):
@@ -122,3 +132,55 @@ def test_up_refuses_bad_settings_before_starting_anything(capsys, tiny_llama):
         except SystemExit as e:     # argparse-style refusals exit 2
             code, err = e.code, capsys.readouterr().err
         assert_one_line_error(code, err, needle)
+
+
+def test_make_demo_runs():
+    """`make demo` as a newcomer runs it, in the repository (it builds .cache/tiny-llama on first
+    use, as `make serve` does). STAMP= skips the venv set-up: the interpreter running the tests is
+    the venv; PYTHONPATH makes its console script import this checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), HF_HUB_OFFLINE="1")
+    res = subprocess.run(["make", "-s", "demo", "STAMP=", f"BIN={Path(sys.executable).parent}"], cwd=repo,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert res.stdout.count("--- prompt ") == 4
+    stats = json.loads(res.stdout[res.stdout.index("\n{") + 1:])
+    assert stats["device_blocks_peak_used"] > 0
+
+
+def all_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser: pagedserve's, its services' and loadgen's."""
+    import importlib
+    from pagedserve.loadgen.cli import parser as loadgen_parser
+    from pagedserve.services.cli import SERVICES, build_parser
+    from pagedserve.services.process import OneLineParser
+    subs = lambda p: p._subparsers._group_actions[0].choices.items()
+    parsers = {f"pagedserve {n}": p for n, p in subs(build_parser())}
+    for name, (module, _, *adder) in SERVICES.items():
+        parsers[f"pagedserve {name}"] = p = OneLineParser(prog=name)
+        getattr(importlib.import_module(module), adder[0] if adder else "add_arguments")(p)
+    parsers.update({f"loadgen {n}": p for n, p in subs(loadgen_parser())})
+    return parsers
+
+
+def test_every_argument_is_described_and_every_optional_flag_shows_its_default():
+    for command, parser in all_parsers().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = action.option_strings[0] if action.option_strings else action.dest
+            assert action.help, f"{command} {name} has no help"
+            if action.option_strings and not action.required:
+                assert "default" in action.help, f"{command} {name}: no default in {action.help!r}"
+
+
+def test_output_paths_print_normalized(tmp_path, capsys):
+    """`--out r/` prints r/compare.md, not r//compare.md."""
+    from pagedserve.loadgen.cli import main as loadgen_main
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"label": "x", "completed": 0, "failed": 0, "request_throughput": 0,
+                                                  "output_throughput": 0, "request_rate": None}))
+    assert loadgen_main(["compare", str(run), "--out", f"{tmp_path}/cmp/"]) == 0
+    assert capsys.readouterr().out == f"comparison in {tmp_path}/cmp/compare.md\n"

@@ -154,8 +154,12 @@ def test_sweep_auto_finds_saturation_then_compare(fake, tmp_path):
     server = fake("--ttft", "0.02", "--itl", "0.01")
     common = ["--url", server.url, "--trace", "random", "--input-len", "8", "--output-len", "5",
               "--num-requests", "12", "--no-progress"]
-    loadgen("sweep", *common, "--rates", "auto", "--auto-points", "2", "--max-normalized-latency", "1",
-            "--out", "sw", cwd=tmp_path)
+    run = loadgen("sweep", *common, "--rates", "auto", "--auto-points", "2", "--max-normalized-latency", "1",
+                  "--out", "sw", cwd=tmp_path)
+    # Each run, and the sweep once its rates are known, say how long they take before they start.
+    said = [line for line in run.stderr.splitlines() if line.startswith("loadgen")]
+    assert said[0] == "loadgen: 12 requests of random, all at once", said
+    assert said[1].startswith("loadgen sweep: 2 rates x 12 requests: arrivals alone take about "), said
     result = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     rates = [float(r["rate"]) for r in result["rows"]]
     assert rates[0] == float("inf") and len(rates) == 3

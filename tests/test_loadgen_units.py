@@ -445,3 +445,19 @@ def test_a_tokenizer_that_is_not_a_folder_is_one_line(tmp_path):
     from pagedserve.loadgen.replay import ReplayError, Server, make_plan
     with pytest.raises(ReplayError, match="no such folder"):
         make_plan(from_args(ReplayConfig, {}, tokenizer=str(tmp_path / "nope")), Server("http://x", "m", 1024))
+
+
+def test_an_unbounded_run_is_short_and_a_long_one_is_announced():
+    """No --num-requests: 200 requests, not a whole trace file (azure-conv is 19,365: 2.7 h at
+    2 req/s); --duration bounds by time instead; a long plan is a warning before it starts."""
+    from pagedserve.loadgen.replay import DEFAULT_REQUESTS, Server, make_plan, plan_line
+    server = Server("http://x", "m", 1024)
+    plan = lambda **kw: make_plan(from_args(ReplayConfig, {}, **kw), server)
+    for trace in ("azure-conv", "sharegpt"):
+        assert len(plan(trace=trace, rate=2.0).requests) == DEFAULT_REQUESTS
+    timed = plan(trace="azure-conv", rate=20.0, duration=30.0).requests
+    assert 450 < len(timed) < 750 and timed[-1].arrival < 30
+    cfg = from_args(ReplayConfig, {}, trace="azure-conv", rate=2.0, num_requests=19365)
+    line = plan_line(cfg, make_plan(cfg, server))
+    assert line.startswith("loadgen: warning: 19,365 requests of azure-conv") and "2.7 h" in line
+    assert plan_line(from_args(ReplayConfig, {}), plan()) == "loadgen: 200 requests of sharegpt, all at once"

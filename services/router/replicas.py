@@ -78,8 +78,8 @@ class Backends:
 
     def targets(self) -> list[tuple[str, str]]:
         """(replica id, endpoint) of every scheduler this router may use now."""
-        if self.fixed_endpoint:
-            return [("local", self.fixed_endpoint)]
+        if self.fixed_endpoint:   # named as its scheduler names itself (the metrics' engine label)
+            return [(self.client(self.fixed_endpoint).engine or "local", self.fixed_endpoint)]
         return [(r.id, r.endpoint) for r in self.state.live_replicas()]
 
     def pick(self, prompt_ids: list[int]) -> SchedulerClient:

@@ -120,6 +120,7 @@ class SchedulerClient:
         self.last_heard = time.monotonic()    # a grace period from start: the scheduler may be starting
         self.last_pong: protocol.Pong | None = None
         self.dead = False
+        self.heard = False                    # whether the scheduler ever answered
         self._ping_waiters: list[asyncio.Future] = []
         self._stats_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._tasks: list[asyncio.Task] = []
@@ -242,8 +243,9 @@ class SchedulerClient:
             frames = await self.sock.recv_multipart(copy=False)
             self.last_heard = time.monotonic()
             if self.dead:
-                log.info("the scheduler at %s answers again", self.endpoint)
+                log.info("the scheduler at %s answers%s", self.endpoint, " again" if self.heard else "")
                 self.dead = False
+            self.heard = True
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as e:
@@ -320,7 +322,11 @@ class SchedulerClient:
                 continue   # this router was the one away (paused, busy): the scheduler's words wait unread
             if silent > self.dead_after_s and not self.dead:
                 self.dead = True
-                log.error("the scheduler at %s has not answered for %.1f s", self.endpoint, silent)
+                # Before its first word the scheduler is still starting (a first start builds the
+                # model and compiles the CPU kernel: tens of seconds), which is no error.
+                (log.error if self.heard else log.info)(
+                    "the scheduler at %s has not answered for %.1f s%s", self.endpoint, silent,
+                    "" if self.heard else " (it may still be starting)")
                 self.fail_all(503, f"the engine at {self.endpoint} stopped answering")
 
     def fail_all(self, status: int, message: str) -> None:

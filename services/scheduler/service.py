@@ -109,11 +109,8 @@ class SchedulerService:
         # The kvstore may have served an earlier scheduler of this replica (a restart): it frees
         # what that one held and keeps the cache; the mirror starts from its state.
         snapshot = self.kv.resume("scheduler")
-        # The kvstore is pinged as well while the worker loads its model, or it would take the
-        # silence for a scheduler that is gone.
-        self._wait_for(lambda: (self.kv.ping("scheduler", 1.0),
-                                self.worker.call(protocol.Ping("scheduler"), timeout_s=1.0),
-                                self._worker_beat_answered()), "worker", self.worker.endpoint)
+        self._wait_for(self._first_worker_answer, "worker", self.worker.endpoint)
+        self._wait_for(self._worker_beat_answered, "worker's heartbeat", config.worker_heartbeat_endpoint)
         self.pool_info = info
         self.mirror = self._new_mirror(snapshot)
         max_len = context_length(config.max_model_len, spec)
@@ -178,6 +175,16 @@ class SchedulerService:
         self.fail_all(why)
         if self.worker_watch is not None:
             self.worker_watch.restart()
+
+    def _first_worker_answer(self):
+        """One Ping that the worker answers once it has loaded (a first start compiles the CPU
+        kernel: ~15 s). Asked anew each second, every timed-out ask dropped the connection, and
+        the worker logged each drop. The kvstore is pinged meanwhile, or it would take the
+        silence for a scheduler that is gone."""
+        if not self.worker.asked:
+            self.worker.send(protocol.Ping("scheduler"))
+        self.kv.ping("scheduler", 1.0)
+        return self.worker.receive(timeout_s=1.0, keep_question=True)
 
     def _kvstore_same(self) -> None:
         """Ping the kvstore by asking for its pools: different pool names mean it restarted (its
