@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from multiprocessing import get_context
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from pagedserve.loadgen.config import PaperConfig, SimulateConfig
 from pagedserve.loadgen.report import jsonable
 from pagedserve.loadgen.sweep import row_of, sustained_rate
+from pagedserve.services.flags import ConfigError
 
 ALLOCS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 NAMES = {"paged": "vLLM (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",
@@ -91,23 +93,30 @@ def plan_runs(cfg: PaperConfig) -> dict[str, SimulateConfig]:
     return runs
 
 
+def _cost(cfg: SimulateConfig) -> int:
+    """A run's relative cost (Orca (Max) batches little and runs long): to order runs and to estimate
+    the time left."""
+    return cfg.num_requests * (3 if "orca-max" in cfg.allocation else 1)
+
+
 def paper(cfg: PaperConfig) -> dict:
     started = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = plan_runs(cfg)
-    # Longest first, so the last job to finish is a short one.
-    order = sorted(runs.items(), key=lambda kv: -(kv[1].num_requests * (3 if "orca-max" in kv[1].allocation else 1)))
-    with get_context("fork").Pool(cfg.jobs) as pool:
-        results = dict(pool.imap_unordered(_run, order))
-    (out / "runs.json").write_text(json.dumps(jsonable(results), indent=1) + "\n")
+    if cfg.replot:
+        results, wall = _saved_runs(out, runs)
+    else:
+        results = _simulate(runs, cfg.jobs, cfg.progress, started)
+        (out / "runs.json").write_text(json.dumps(jsonable(results), indent=1) + "\n")
+        wall = None
     sections, figures = [], {}
     for fig, build in FIGURES.items():
         if fig in cfg.figures:
             text, data = build(results, out, cfg.plots)
             sections.append(text)
             figures[fig] = data
-    wall = time.perf_counter() - started
+    wall = wall if wall is not None else time.perf_counter() - started
     head = ["# The PagedAttention paper's experiments, simulated", "",
             f"OPT-13B on one A100-40GB (`loadgen simulate --preset opt-13b-a100-40g`: 26 GB of weights, "
             f"12 GiB of KV = 15.7K token slots) unless a figure says otherwise; {len(runs)} simulated runs, "
@@ -118,6 +127,48 @@ def paper(cfg: PaperConfig) -> dict:
     report = {"figures": figures, "wall_seconds": wall, "num_runs": len(runs)}
     (out / "paper.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
     return report
+
+
+def _simulate(runs: dict[str, SimulateConfig], jobs: int, progress: bool, started: float) -> dict[str, dict]:
+    """Every run's summary, on `jobs` processes; with `progress`, a line on stderr as each ends (runs
+    done / total, elapsed, time left by the cost of what remains): a log or a pipe reads it too."""
+    # Longest first, so the last job to finish is a short one.
+    order = sorted(runs.items(), key=lambda kv: -_cost(kv[1]))
+    total, done_cost, results = sum(_cost(c) for c in runs.values()), 0, {}
+    with get_context("fork").Pool(jobs) as pool:
+        for key, summary in pool.imap_unordered(_run, order):
+            results[key] = summary
+            done_cost += _cost(runs[key])
+            if progress:
+                elapsed = time.perf_counter() - started
+                left = elapsed * (total - done_cost) / done_cost
+                print(f"loadgen paper: {len(results)}/{len(runs)} runs, {_clock(elapsed)} elapsed, "
+                      f"~{_clock(left)} left ({key})", file=sys.stderr, flush=True)
+    return results
+
+
+def _clock(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _saved_runs(out: Path, runs: dict[str, SimulateConfig]) -> tuple[dict[str, dict], float | None]:
+    """--replot: the summaries of an earlier `loadgen paper --out OUT` (runs.json) and how long it
+    took, to redraw its figures and report without simulating again."""
+    try:
+        results = json.loads((out / "runs.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--replot: no runs to redraw in {out / 'runs.json'} ({e})") from None
+    other = [key for key, run in runs.items() if key not in results
+             or any(results[key]["options"].get(k) != getattr(run, k) for k in ("num_requests", "seed"))]
+    if other:
+        raise ConfigError(f"--replot: {out / 'runs.json'} lacks {len(other)} of the runs these figures need, "
+                          f"or ran them with another --num-requests or --seed (first {other[0]}); "
+                          "run without --replot")
+    try:
+        wall = float(json.loads((out / "paper.json").read_text())["wall_seconds"])
+    except (OSError, ValueError, KeyError):
+        wall = None
+    return {key: results[key] for key in runs}, wall
 
 
 # ---- figures -----------------------------------------------------------------------------------
