@@ -25,6 +25,7 @@ ALLOCS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 NAMES = {"paged": "vLLM (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",
          "orca-max": "Orca (Max)", "ft": "FasterTransformer"}
 RATES = {"sharegpt": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "alpaca": [10.0, 20.0, 30.0, 45.0, 60.0, 90.0]}
+TRACES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
 PAPER_RATE = {"sharegpt": 2.0, "alpaca": 30.0}        # Fig. 13's rates
 # Saturation, where the batch is memory arithmetic: ShareGPT at 4 req/s is past every allocator's
 # capacity; paged serves Alpaca past 90 req/s, so its requests all arrive at once there.
@@ -185,6 +186,11 @@ def _off(ours: float, theirs: float) -> bool:
     return theirs and abs(ours - theirs) / theirs > 0.10
 
 
+def _setup(results: dict) -> str:
+    """The simulated model and GPU, for plot titles: "OPT-13B on one A100-40GB"."""
+    return next(iter(results.values()))["preset_description"].split(":")[0]
+
+
 def fig2(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
     rate = SATURATED["sharegpt"]
     rows, data = [], {}
@@ -210,7 +216,12 @@ def fig2(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                   "distribution sets.", ""]
     if plots:
         from pagedserve.loadgen.plots import stacked_shares
-        lines += [f"![fig2]({stacked_shares({NAMES[a]: data[a] for a in data}, out / 'fig2.png')})", ""]
+        png = stacked_shares({NAMES[a]: data[a] for a in data}, out / "fig2.png",
+                             f"Fig. 2, simulated: KV cache by allocator, ShareGPT at {rate:g} req/s "
+                             f"(saturated), {_setup(results)}",
+                             marks={NAMES[a]: PAPER["fig2_token_share"][a] for a in data},
+                             mark_label="paper: token states")
+        lines += [f"![fig2]({png})", ""]
     return "\n".join(lines), data
 
 
@@ -238,7 +249,9 @@ def fig12(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                       "one (see Fig. 13), so every system saturates later; the ratios are set by memory."]
         if plots:
             from pagedserve.loadgen.plots import rate_plot
-            lines += ["", f"![fig12 {trace}]({rate_plot(series, out / f'fig12_{trace}.png', LATENCY_LIMIT[trace])})"]
+            png = rate_plot(series, out / f"fig12_{trace}.png",
+                            f"Fig. 12, simulated: {TRACES[trace]} trace on {_setup(results)}", LATENCY_LIMIT[trace])
+            lines += ["", f"![fig12 {trace}]({png})"]
         lines.append("")
     lines += [f"The rates tried are few ({', '.join(f'{len(r)} for {t}' for t, r in RATES.items())}, to keep "
               "`loadgen paper` under 15 minutes), so a sustained rate is a lower bound at the grid's resolution.", ""]
@@ -274,8 +287,17 @@ def fig13(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
               "than the paper's, for the reasons given under Fig. 2.", ""]
     if plots:
         from pagedserve.loadgen.plots import grouped_bars
-        bars = {group: {NAMES[a]: v for a, v in got.items()} for group, got in data.items()}
-        lines += [f"![fig13]({grouped_bars(bars, out / 'fig13.png', 'average batched requests')})", ""]
+        ours, theirs, saturated = "ours at the paper's rate", "the paper's", "ours, saturated"
+        panels = {}
+        for trace in RATES:
+            at, full = f"{trace}@{PAPER_RATE[trace]:g}", f"{trace}@{SATURATED[trace]:g}"
+            sat = "all at once" if math.isinf(SATURATED[trace]) else f"{SATURATED[trace]:g} req/s"
+            panels[f"{TRACES[trace]}: the paper's {PAPER_RATE[trace]:g} req/s; saturated: {sat}"] = {
+                NAMES[a]: {ours: data[at][a], theirs: PAPER["fig13"][trace][a], saturated: data[full][a]}
+                for a in ALLOCS}
+        png = grouped_bars(panels, out / "fig13.png", f"Fig. 13, simulated: average batched requests, {_setup(results)}",
+                           "average batched requests", "allocator", hatched=(theirs,))
+        lines += [f"![fig13]({png})", ""]
     return "\n".join(lines), data
 
 

@@ -86,9 +86,20 @@ def _write(result: RunResult, out: Path) -> dict:
     plots = []
     if result.config.plots and result.records:
         from pagedserve.loadgen import plots as plotting
-        plots = plotting.replay_plots(result.records, result.samples, out)
+        plots = plotting.replay_plots(result.records, result.samples, out, run_title(summary))
     (out / "report.md").write_text(markdown(summary, result, plots))
     return summary
+
+
+def run_title(s: dict) -> str:
+    """What a run's plots show, from its summary: the trace, the model, the arrivals (and the label
+    when the user gave one)."""
+    rate = s.get("request_rate")
+    arrivals = "the trace's times" if rate is None else \
+        ("all at once" if math.isinf(float(rate)) else f"{float(rate):g} req/s")
+    title = f"{s['trace']} trace on {s['server']['model']}, {arrivals}"
+    label = s.get("options", {}).get("label")
+    return f"{label}: {title}" if label else title
 
 
 def jsonable(obj):
