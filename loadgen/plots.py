@@ -2,7 +2,7 @@
 
 Read at a glance: a title naming the trace and the model, a log axis where the values span orders
 of magnitude (a saturated baseline would squash the others onto zero), plain tick labels (no "1e6"
-offset), legends outside the axes, limit lines labelled where they are drawn.
+offset), legends outside the axes, limit lines named in them.
 """
 from __future__ import annotations
 
@@ -118,11 +118,10 @@ def server_plot(samples: list[dict], path: Path, title: str) -> str:
         ax1.plot(t, usage)
         ax1.set_ylim(0, min(100.0, max(1.0, 1.25 * peak)))
         ax1.axhline(peak, color="grey", linestyle=":", linewidth=1)
-        ax1.annotate(f"peak {peak:.1f} % of the pool", (0.01, peak), xycoords=("axes fraction", "data"),
-                     va="bottom", fontsize=9, color="dimgrey")
+        ax1.set_title(f"KV cache in use (peak {peak:.1f} % of the pool)")     # a title: never on the data
     else:
         ax1.text(0.5, 0.5, "not exported", ha="center", va="center", transform=ax1.transAxes)
-    ax1.set_title("KV cache in use")
+        ax1.set_title("KV cache in use")
     ax1.set_ylabel("% of the KV pool")
     for key in ("running", "waiting", "swapped"):
         values = [s.get(key) for s in samples]
@@ -150,15 +149,10 @@ def rate_plot(series: dict[str, list[dict]], path: Path, title: str, limit: floa
         ttfts += [r["p99_ttft_ms"] for r in rows]
         ax1.plot(rates, [r["normalized_latency"] for r in rows], marker="o", label=label)
         ax2.plot(rates, [r["p99_ttft_ms"] for r in rows], marker="o", label=label)
-    if limit is not None:           # drawn first, so that the axis's range takes it in
-        ax1.axhline(limit, color="grey", linestyle="--", linewidth=1)
-        ax1.annotate(f"limit {limit:g} s/token", (0.01, limit), xycoords=("axes fraction", "data"),
-                     va="bottom", fontsize=9, color="dimgrey")
+    if limit is not None:           # before the scale is set, so that the axis takes it in; named in the legend
+        ax1.axhline(limit, color="grey", linestyle="--", linewidth=1, label=f"latency limit {limit:g} s/token")
     fit_scale(ax1, latencies + ([limit] if limit is not None else []))
     fit_scale(ax2, ttfts)
-    if limit is not None:           # room above the line for its label
-        bottom, top = ax1.get_ylim()
-        ax1.set_ylim(bottom, max(top, limit * (1.6 if ax1.get_yscale() == "log" else 1.15)))
     ax1.set_title("Normalized latency (mean E2E / output tokens)")
     ax1.set_ylabel("normalized latency (s/token)")
     ax2.set_title("p99 time to first token")
@@ -166,7 +160,8 @@ def rate_plot(series: dict[str, list[dict]], path: Path, title: str, limit: floa
     for ax in (ax1, ax2):
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
-    fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=min(5, len(series)))
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(6, len(handles)))
     return _save(fig, path)
 
 
