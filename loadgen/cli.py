@@ -85,7 +85,9 @@ def _run(command: str, cfg) -> int:
     if command == "paper":
         from pagedserve.loadgen.paper import paper
         report = paper(cfg)
-        print(f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s; report in {cfg.out}/paper.md")
+        done = f"{report['num_runs']} runs redrawn from {cfg.out}/runs.json" if cfg.replot else \
+            f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s"
+        print(f"{done}; report in {cfg.out}/paper.md")
         return 0
     if command == "sweep":
         result = sweeps.sweep(cfg)

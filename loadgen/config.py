@@ -192,6 +192,9 @@ class PaperConfig:
     figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
     seed: int = opt(11, "the workload seed of every run")
     plots: bool = opt(True, "write PNG plots (matplotlib)")
+    progress: bool = opt(True, "a line on stderr as each run ends: runs done / total, elapsed, time left")
+    replot: bool = opt(False, "redraw paper.md, paper.json and the plots from --out's runs.json of an earlier "
+                              "run (same --num-requests, --seed, --figures) instead of simulating")
 
 
 # The hostile classes of the attack soak (loadgen/attacks.py holds one function per name). The

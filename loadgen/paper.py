@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from multiprocessing import get_context
 from pathlib import Path
@@ -18,11 +19,13 @@ from pathlib import Path
 from pagedserve.loadgen.config import PaperConfig, SimulateConfig
 from pagedserve.loadgen.report import jsonable
 from pagedserve.loadgen.sweep import row_of, sustained_rate
+from pagedserve.services.flags import ConfigError
 
 ALLOCS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 NAMES = {"paged": "vLLM (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",
          "orca-max": "Orca (Max)", "ft": "FasterTransformer"}
 RATES = {"sharegpt": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "alpaca": [10.0, 20.0, 30.0, 45.0, 60.0, 90.0]}
+TRACES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
 PAPER_RATE = {"sharegpt": 2.0, "alpaca": 30.0}        # Fig. 13's rates
 # Saturation, where the batch is memory arithmetic: ShareGPT at 4 req/s is past every allocator's
 # capacity; paged serves Alpaca past 90 req/s, so its requests all arrive at once there.
@@ -91,23 +94,30 @@ def plan_runs(cfg: PaperConfig) -> dict[str, SimulateConfig]:
     return runs
 
 
+def _cost(cfg: SimulateConfig) -> int:
+    """A run's relative cost (Orca (Max) batches little and runs long): to order runs and to estimate
+    the time left."""
+    return cfg.num_requests * (3 if "orca-max" in cfg.allocation else 1)
+
+
 def paper(cfg: PaperConfig) -> dict:
     started = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = plan_runs(cfg)
-    # Longest first, so the last job to finish is a short one.
-    order = sorted(runs.items(), key=lambda kv: -(kv[1].num_requests * (3 if "orca-max" in kv[1].allocation else 1)))
-    with get_context("fork").Pool(cfg.jobs) as pool:
-        results = dict(pool.imap_unordered(_run, order))
-    (out / "runs.json").write_text(json.dumps(jsonable(results), indent=1) + "\n")
+    if cfg.replot:
+        results, wall = _saved_runs(out, runs)
+    else:
+        results = _simulate(runs, cfg.jobs, cfg.progress, started)
+        (out / "runs.json").write_text(json.dumps(jsonable(results), indent=1) + "\n")
+        wall = None
     sections, figures = [], {}
     for fig, build in FIGURES.items():
         if fig in cfg.figures:
             text, data = build(results, out, cfg.plots)
             sections.append(text)
             figures[fig] = data
-    wall = time.perf_counter() - started
+    wall = wall if wall is not None else time.perf_counter() - started
     head = ["# The PagedAttention paper's experiments, simulated", "",
             f"OPT-13B on one A100-40GB (`loadgen simulate --preset opt-13b-a100-40g`: 26 GB of weights, "
             f"12 GiB of KV = 15.7K token slots) unless a figure says otherwise; {len(runs)} simulated runs, "
@@ -118,6 +128,48 @@ def paper(cfg: PaperConfig) -> dict:
     report = {"figures": figures, "wall_seconds": wall, "num_runs": len(runs)}
     (out / "paper.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
     return report
+
+
+def _simulate(runs: dict[str, SimulateConfig], jobs: int, progress: bool, started: float) -> dict[str, dict]:
+    """Every run's summary, on `jobs` processes; with `progress`, a line on stderr as each ends (runs
+    done / total, elapsed, time left by the cost of what remains): a log or a pipe reads it too."""
+    # Longest first, so the last job to finish is a short one.
+    order = sorted(runs.items(), key=lambda kv: -_cost(kv[1]))
+    total, done_cost, results = sum(_cost(c) for c in runs.values()), 0, {}
+    with get_context("fork").Pool(jobs) as pool:
+        for key, summary in pool.imap_unordered(_run, order):
+            results[key] = summary
+            done_cost += _cost(runs[key])
+            if progress:
+                elapsed = time.perf_counter() - started
+                left = elapsed * (total - done_cost) / done_cost
+                print(f"loadgen paper: {len(results)}/{len(runs)} runs, {_clock(elapsed)} elapsed, "
+                      f"~{_clock(left)} left ({key})", file=sys.stderr, flush=True)
+    return results
+
+
+def _clock(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _saved_runs(out: Path, runs: dict[str, SimulateConfig]) -> tuple[dict[str, dict], float | None]:
+    """--replot: the summaries of an earlier `loadgen paper --out OUT` (runs.json) and how long it
+    took, to redraw its figures and report without simulating again."""
+    try:
+        results = json.loads((out / "runs.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--replot: no runs to redraw in {out / 'runs.json'} ({e})") from None
+    other = [key for key, run in runs.items() if key not in results
+             or any(results[key]["options"].get(k) != getattr(run, k) for k in ("num_requests", "seed"))]
+    if other:
+        raise ConfigError(f"--replot: {out / 'runs.json'} lacks {len(other)} of the runs these figures need, "
+                          f"or ran them with another --num-requests or --seed (first {other[0]}); "
+                          "run without --replot")
+    try:
+        wall = float(json.loads((out / "paper.json").read_text())["wall_seconds"])
+    except (OSError, ValueError, KeyError):
+        wall = None
+    return {key: results[key] for key in runs}, wall
 
 
 # ---- figures -----------------------------------------------------------------------------------
@@ -132,6 +184,11 @@ def _ratio(a: float, b: float) -> str:
 
 def _off(ours: float, theirs: float) -> bool:
     return theirs and abs(ours - theirs) / theirs > 0.10
+
+
+def _setup(results: dict) -> str:
+    """The simulated model and GPU, for plot titles: "OPT-13B on one A100-40GB"."""
+    return next(iter(results.values()))["preset_description"].split(":")[0]
 
 
 def fig2(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
@@ -159,7 +216,12 @@ def fig2(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                   "distribution sets.", ""]
     if plots:
         from pagedserve.loadgen.plots import stacked_shares
-        lines += [f"![fig2]({stacked_shares({NAMES[a]: data[a] for a in data}, out / 'fig2.png')})", ""]
+        png = stacked_shares({NAMES[a]: data[a] for a in data}, out / "fig2.png",
+                             f"Fig. 2, simulated: KV cache by allocator, ShareGPT at {rate:g} req/s "
+                             f"(saturated), {_setup(results)}",
+                             marks={NAMES[a]: PAPER["fig2_token_share"][a] for a in data},
+                             mark_label="paper: token states")
+        lines += [f"![fig2]({png})", ""]
     return "\n".join(lines), data
 
 
@@ -187,7 +249,9 @@ def fig12(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                       "one (see Fig. 13), so every system saturates later; the ratios are set by memory."]
         if plots:
             from pagedserve.loadgen.plots import rate_plot
-            lines += ["", f"![fig12 {trace}]({rate_plot(series, out / f'fig12_{trace}.png', LATENCY_LIMIT[trace])})"]
+            png = rate_plot(series, out / f"fig12_{trace}.png",
+                            f"Fig. 12, simulated: {TRACES[trace]} trace on {_setup(results)}", LATENCY_LIMIT[trace])
+            lines += ["", f"![fig12 {trace}]({png})"]
         lines.append("")
     lines += [f"The rates tried are few ({', '.join(f'{len(r)} for {t}' for t, r in RATES.items())}, to keep "
               "`loadgen paper` under 15 minutes), so a sustained rate is a lower bound at the grid's resolution.", ""]
@@ -223,8 +287,17 @@ def fig13(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
               "than the paper's, for the reasons given under Fig. 2.", ""]
     if plots:
         from pagedserve.loadgen.plots import grouped_bars
-        bars = {group: {NAMES[a]: v for a, v in got.items()} for group, got in data.items()}
-        lines += [f"![fig13]({grouped_bars(bars, out / 'fig13.png', 'average batched requests')})", ""]
+        ours, theirs, saturated = "ours at the paper's rate", "the paper's", "ours, saturated"
+        panels = {}
+        for trace in RATES:
+            at, full = f"{trace}@{PAPER_RATE[trace]:g}", f"{trace}@{SATURATED[trace]:g}"
+            sat = "all at once" if math.isinf(SATURATED[trace]) else f"{SATURATED[trace]:g} req/s"
+            panels[f"{TRACES[trace]}: the paper's {PAPER_RATE[trace]:g} req/s; saturated: {sat}"] = {
+                NAMES[a]: {ours: data[at][a], theirs: PAPER["fig13"][trace][a], saturated: data[full][a]}
+                for a in ALLOCS}
+        png = grouped_bars(panels, out / "fig13.png", f"Fig. 13, simulated: average batched requests, {_setup(results)}",
+                           "average batched requests", "allocator", hatched=(theirs,))
+        lines += [f"![fig13]({png})", ""]
     return "\n".join(lines), data
 
 

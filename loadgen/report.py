@@ -86,9 +86,20 @@ def _write(result: RunResult, out: Path) -> dict:
     plots = []
     if result.config.plots and result.records:
         from pagedserve.loadgen import plots as plotting
-        plots = plotting.replay_plots(result.records, result.samples, out)
+        plots = plotting.replay_plots(result.records, result.samples, out, run_title(summary))
     (out / "report.md").write_text(markdown(summary, result, plots))
     return summary
+
+
+def run_title(s: dict) -> str:
+    """What a run's plots show, from its summary: the trace, the model, the arrivals (and the label
+    when the user gave one)."""
+    rate = s.get("request_rate")
+    arrivals = "the trace's times" if rate is None else \
+        ("all at once" if math.isinf(float(rate)) else f"{float(rate):g} req/s")
+    title = f"{s['trace']} trace on {s['server']['model']}, {arrivals}"
+    label = s.get("options", {}).get("label")
+    return f"{label}: {title}" if label else title
 
 
 def jsonable(obj):
@@ -125,10 +136,12 @@ def markdown(s: dict, result: RunResult, plots: list[str]) -> str:
         f"| normalized latency | {s['mean_normalized_latency_s_per_token']:.4f} s/token |",
     ]
     pc = s["prefix_cache"]
-    if pc["hit_rate"] is not None or pc["infinite_cache_bound"] is not None:
-        share = (lambda v: "-" if v is None else f"{100 * v:.1f} %")
-        lines.append(f"| prefix-cache hits (device + host of {share(pc['infinite_cache_bound'])} "
-                     f"with no eviction) | {share(pc['device_hit_rate'])} + {share(pc['host_hit_rate'])} |")
+    share = (lambda v: "-" if v is None else f"{100 * v:.1f} %")
+    if pc["hit_rate"] is not None:
+        lines.append(f"| prefix-cache hits, share of prompt tokens | {share(pc['hit_rate'])} "
+                     f"(device {share(pc['device_hit_rate'])}, host {share(pc['host_hit_rate'])}) |")
+    if pc["infinite_cache_bound"] is not None:
+        lines.append(f"| prefix-cache hits a cache that never evicts would get | {share(pc['infinite_cache_bound'])} |")
     if s["request_goodput"] is not None:
         slos = ", ".join(f"{k} <= {v:g} ms" for k, v in cfg.slos.items())
         lines.append(f"| goodput ({slos}) | {s['request_goodput']:.2f} req/s |")

@@ -47,6 +47,7 @@ def folder_of(rate: float) -> str:
 def sweep(cfg: SweepConfig) -> dict:
     out = Path(cfg.out)
     rows: list[dict] = []
+    model: list[str] = []                          # the server's, as each run discovered it
     percentiles = sorted(set(cfg.percentiles) | {99.0})      # the plot needs p99
 
     def point(rate: float) -> SweepConfig:
@@ -66,6 +67,7 @@ def sweep(cfg: SweepConfig) -> dict:
         folder = folder_of(rate)
         summary = write_outputs(replay(one), one.out)
         rows.append(row_of(summary, rate, folder))
+        model.append(summary["server"]["model"])
         return summary
 
     failure = None
@@ -82,7 +84,7 @@ def sweep(cfg: SweepConfig) -> dict:
     except ReplayError as e:
         failure = str(e)                            # the rates that ran are still written
     label = cfg.label or f"{cfg.url} {cfg.trace}"
-    result = {"label": label, "trace": cfg.trace, "rows": rows,
+    result = {"label": label, "trace": cfg.trace, "model": model[0] if model else cfg.model, "rows": rows,
               "max_normalized_latency": cfg.max_normalized_latency,
               "sustained_rate": sustained_rate(rows, cfg.max_normalized_latency), "error": failure}
     if rows:
@@ -114,7 +116,8 @@ def write_sweep(result: dict, out: Path, plots: bool) -> None:
     if plots:
         from pagedserve.loadgen.plots import rate_plot
         finite = {result["label"]: [r for r in result["rows"] if math.isfinite(r["rate"])]}
-        lines += ["", f"![sweep]({rate_plot(finite, out / 'sweep.png', result['max_normalized_latency'])})"]
+        title = f"loadgen sweep: {result['trace']} trace on {result.get('model') or result['label']}"
+        lines += ["", f"![sweep]({rate_plot(finite, out / 'sweep.png', title, result['max_normalized_latency'])})"]
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
 
 
@@ -137,39 +140,60 @@ def compare(cfg: CompareConfig) -> dict[str, list[dict]]:
     if cfg.labels and len(cfg.labels) != len(cfg.dirs):
         raise ReplayError(f"{len(cfg.labels)} labels for {len(cfg.dirs)} folders")
     series: dict[str, list[dict]] = {}
+    workloads: dict[str, None] = {}                 # "trace on model" of each run, once each
     for i, folder in enumerate(cfg.dirs):
-        label, rows = _read_run(Path(folder))
+        label, rows, workload = _read_run(Path(folder))
         label = cfg.labels[i] if cfg.labels else label
         while label in series:
             label += "'"
         series[label] = rows
+        workloads[workload] = None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# loadgen compare", "", _table(series)]
     finite = {k: [r for r in rows if r["rate"] is not None and math.isfinite(r["rate"])] for k, rows in series.items()}
     if any(finite.values()):
         from pagedserve.loadgen.plots import rate_plot
-        lines += ["", f"![compare]({rate_plot(finite, out / 'compare.png')})"]
+        title = "loadgen compare: " + "; ".join(workloads)
+        lines += ["", f"![compare]({rate_plot(finite, out / 'compare.png', title)})"]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     return series
 
 
-def _read_run(folder: Path) -> tuple[str, list[dict]]:
+def _read_run(folder: Path) -> tuple[str, list[dict], str]:
     try:
         return _parse_run(folder)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise ReplayError(f"{folder}: not a loadgen sweep or replay ({type(e).__name__}: {e})") from None
 
 
-def _parse_run(folder: Path) -> tuple[str, list[dict]]:
+def _parse_run(folder: Path) -> tuple[str, list[dict], str]:
+    """A run's label, its rows and its workload ("trace on model")."""
     if (folder / "sweep.json").is_file():
-        data = json.loads((folder / "sweep.json").read_text())
-        numeric = ("rate", "request_throughput", "output_throughput", "normalized_latency", "mean_ttft_ms",
-                   "p99_ttft_ms", "mean_tpot_ms", "p99_e2el_ms")
-        return str(data["label"]), [{**r, **{k: float(r[k]) for k in numeric}} for r in data["rows"]]
+        data = load_sweep(folder)
+        return str(data["label"]), data["rows"], f"{data['trace']} trace on {data['model']}"
     if (folder / "summary.json").is_file():
         s = load_summary(folder)
         rate = s.get("request_rate")
         rate = float(rate) if rate is not None else None
-        return s["label"], [row_of(s, rate, str(folder))]
+        return s["label"], [row_of(s, rate, str(folder))], f"{s['trace']} trace on {s['server']['model']}"
     raise ReplayError(f"{folder} holds neither sweep.json nor summary.json")
+
+
+def load_sweep(folder: Path) -> dict:
+    """A sweep's sweep.json with its numbers as floats ("inf" and "nan" are written as strings) and
+    its model named."""
+    data = json.loads((folder / "sweep.json").read_text())
+    numeric = ("rate", "request_throughput", "output_throughput", "normalized_latency", "mean_ttft_ms",
+               "p99_ttft_ms", "mean_tpot_ms", "p99_e2el_ms")
+    data["rows"] = [{**r, **{k: float(r[k]) for k in numeric}} for r in data["rows"]]
+    data["model"] = data.get("model") or _first_model(folder, data["rows"])
+    return data
+
+
+def _first_model(folder: Path, rows: list[dict]) -> str:
+    """The model of a sweep written before sweep.json named it: its first rate's summary has it."""
+    try:
+        return load_summary(folder / rows[0]["dir"])["server"]["model"]
+    except (OSError, IndexError, KeyError, ValueError):
+        return "a model it does not name"

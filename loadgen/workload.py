@@ -7,6 +7,7 @@ every rate of a sweep.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -30,11 +31,17 @@ class Fit:
     capped: int = 0               # scale: requests still too long, shortened (output first)
 
     trace_block: int | None = None   # tokens per hash id in the trace
+    # What capped and dropped count over: the requests sent (build_plan) and the trace requests
+    # read to find them, or None when they count over the whole trace (fit_to_context alone).
+    sent: int | None = None
+    read: int | None = None
 
     def describe(self) -> str:
-        what = f"{self.capped} capped" if self.mode == "scale" else ""
+        of = f" of {self.sent}" if self.sent is not None else ""
+        what = f"{self.capped}{of} capped" if self.mode == "scale" else ""
         if self.dropped or self.mode == "filter":
-            what += (", " if what else "") + f"{self.dropped} dropped"
+            of = f" of the first {self.read} in the trace" if self.read is not None else ""
+            what += (", " if what else "") + f"{self.dropped}{of} dropped"
         blocks = ""
         if self.block_tokens:
             blocks = f", {self.block_tokens} tokens per trace block"
@@ -46,7 +53,14 @@ class Fit:
 
 
 def fit_to_context(trace: Trace, max_model_len: int, mode: str, kv_block_size: int = 16) -> tuple[list[TraceRequest], Fit]:
-    """The trace's requests with prompt + output <= max_model_len.
+    """The trace's requests with prompt + output <= max_model_len; the Fit counts over the whole trace."""
+    kept, fit = fit_each(trace, max_model_len, mode, kv_block_size)
+    return [r for _, r, _ in kept], fit
+
+
+def fit_each(trace: Trace, max_model_len: int, mode: str,
+             kv_block_size: int = 16) -> tuple[list[tuple[int, TraceRequest, bool]], Fit]:
+    """(index in the trace, fitted request, capped) of every request kept, in the trace's order.
 
     scale: one factor for every length, so that the SCALE_QUANTILE of prompt + output fits; the few
     still too long are shortened, output first. filter: lengths as they are; what does not fit is
@@ -67,17 +81,18 @@ def fit_to_context(trace: Trace, max_model_len: int, mode: str, kv_block_size: i
         block = max(kv_block_size, round(trace.block_tokens * factor / kv_block_size) * kv_block_size)
     fit = Fit(mode, max_model_len, factor, block, trace_block=trace.block_tokens)
     out = []
-    for r in trace.requests:
+    for i, r in enumerate(trace.requests):
         p = _prompt_len(r, factor, trace.block_tokens, block)
         o = max(1, round(r.output_len * factor))
-        if p + o > max_model_len:
+        capped = p + o > max_model_len
+        if capped:
             # The user's own text cannot be shortened: it goes only if the output can make room.
             if mode == "filter" or (r.prompt is not None and p >= max_model_len):
                 fit.dropped += 1
                 continue
             fit.capped += 1
             p, o = cap_pair(p, o, max_model_len)
-        out.append(TraceRequest(p, o, r.timestamp, r.hash_ids, r.prompt))
+        out.append((i, TraceRequest(p, o, r.timestamp, r.hash_ids, r.prompt), capped))
     return out, fit
 
 
@@ -200,14 +215,23 @@ def prefix_cache_bound(prompts: list[list[int]], block_size: int) -> float:
     return hits / total if total else 0.0
 
 
+def sent_fit(fit: Fit, kept: list[tuple[int, TraceRequest, bool]], sent: list[int], trace_len: int) -> Fit:
+    """The Fit counted over the requests sent (`sent`: indices into `kept`), not the whole trace: a
+    run of 40 requests drawn from 10,000 reports its own capped ones. Dropped counts the trace's
+    requests skipped before the last one sent (all of them when none is sent)."""
+    read = max(kept[i][0] for i in sent) + 1 if sent else trace_len
+    kept_read = sum(1 for source, _, _ in kept if source < read)
+    return dataclasses.replace(fit, capped=sum(kept[i][2] for i in sent), dropped=read - kept_read,
+                               sent=len(sent), read=read)
+
+
 def build_plan(trace: Trace, *, max_model_len: int, fit_mode: str, kv_block_size: int, seed: int,
                rate: float, burstiness: float, trace_times: bool, speed: float, duration: float | None,
                num_requests: int | None, warmup: int, pool: list[int], codec=None) -> Plan:
     """The requests of a run, in send order. `codec` (a TextCodec) turns ids into text prompts."""
-    fitted, fit = fit_to_context(trace, max_model_len, fit_mode, kv_block_size)
+    kept, fit = fit_each(trace, max_model_len, fit_mode, kv_block_size)
+    fitted = [r for _, r, _ in kept]
     notes = list(trace.notes)
-    if fit.dropped or fit.capped:
-        notes.append(fit.describe())
     if trace_times:
         if not trace.has_times:
             raise ValueError(f"--trace-times: the {trace.name} trace has no timestamps")
@@ -219,6 +243,7 @@ def build_plan(trace: Trace, *, max_model_len: int, fit_mode: str, kv_block_size
         order = [i for i in order if arrivals[i] < duration]
     if num_requests is not None:
         order = order[:num_requests]
+    fit = sent_fit(fit, kept, order, len(trace.requests))
     prompts = Prompts(pool, seed)
     # Text prompts are shorter by what the server adds (BOS, a chat template) so that it sees the
     # planned length; what it adds in front (`lead`) comes out of the first block.

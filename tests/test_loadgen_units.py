@@ -180,6 +180,35 @@ def test_trace_blocks_become_whole_kv_blocks():
     assert tiny.block_tokens == 16
 
 
+_LONG_EVERY_200 = [(3000, 1000) if i % 200 == 7 else (100, 100) for i in range(1000)]
+
+
+def test_the_fit_counts_the_requests_sent_not_the_whole_trace():
+    # 5 of the trace's 1000 requests are too long, one of them among the first 40 sent.
+    pairs = _LONG_EVERY_200
+    assert fit_to_context(_trace(pairs), 1024, "scale")[1].capped == 5
+    plan = _plan(_trace(pairs), max_model_len=1024, fit_mode="scale", num_requests=40)
+    assert len(plan.requests) == 40 and plan.fit.capped == 1 and plan.fit.sent == 40
+    assert "1 of 40 capped" in plan.fit.describe()
+    # filter: the trace's requests skipped to find the 40 sent (1 of the first 41).
+    plan = _plan(_trace(pairs), max_model_len=1024, fit_mode="filter", num_requests=40)
+    assert (plan.fit.dropped, plan.fit.read) == (1, 41) and "1 of the first 41 in the trace dropped" in plan.fit.describe()
+
+
+def test_the_report_states_the_fit_once_and_the_prefix_cache_in_plain_rows():
+    from pagedserve.loadgen.replay import RunResult, Server
+    from pagedserve.loadgen.report import markdown, summary_of
+    plan = _plan(_trace(_LONG_EVERY_200), max_model_len=1024, fit_mode="scale", num_requests=40)
+    samples = [{"prefix_cache_queries": 100.0, "prefix_cache_hits": 10.0, "external_prefix_cache_hits": 0.0},
+               {"prefix_cache_queries": 1100.0, "prefix_cache_hits": 310.0, "external_prefix_cache_hits": 200.0}]
+    result = RunResult(from_args(ReplayConfig, {}, num_requests=40), Server("http://x", "m", 1024), plan, [],
+                       samples, 0.0, notes=plan.notes)
+    text = markdown(summary_of(result), result, [])
+    assert "40 requests" in text and text.count("capped") == 1 and "1 of 40 capped" in text
+    assert "| prefix-cache hits, share of prompt tokens | 50.0 % (device 30.0 %, host 20.0 %) |" in text
+    assert f"| prefix-cache hits a cache that never evicts would get | {100 * plan.prefix_bound:.1f} % |" in text
+
+
 def test_bad_fit_arguments():
     with pytest.raises(ValueError, match="--fit"):
         fit_to_context(_trace([(1, 1)]), 100, "squash")

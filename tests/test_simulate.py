@@ -96,7 +96,7 @@ def test_cli_writes_the_summary(tmp_path):
     assert bad.returncode == 2 and "--model-config" in bad.stderr
 
 
-def test_paper_writes_every_requested_figure_with_the_papers_beside_ours(tmp_path):
+def test_paper_writes_every_requested_figure_with_the_papers_beside_ours(tmp_path, capsys):
     from pagedserve.loadgen.config import PaperConfig
     from pagedserve.loadgen.paper import PAPER, paper
     report = paper(PaperConfig(out=str(tmp_path), num_requests=20, jobs=1, figures=["2", "13", "16"], plots=True))
@@ -107,3 +107,23 @@ def test_paper_writes_every_requested_figure_with_the_papers_beside_ours(tmp_pat
     assert f"{PAPER['fig13']['sharegpt']['paged']:.2f}" in text       # the paper's figure beside ours
     split = report["figures"]["2"]["paged"]
     assert sum(split.values()) == pytest.approx(1.0)
+    # Progress: a line on stderr per run, the last one at n/n, with the time left.
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == report["num_runs"] and lines[-1].startswith(f"loadgen paper: {report['num_runs']}/")
+    assert all(" elapsed, ~" in line and " left (" in line for line in lines)
+
+
+def test_paper_replot_redraws_from_the_saved_runs(tmp_path):
+    import dataclasses
+
+    from pagedserve.loadgen.config import PaperConfig
+    from pagedserve.loadgen.paper import paper
+    from pagedserve.services.flags import ConfigError
+    cfg = PaperConfig(out=str(tmp_path), num_requests=20, jobs=1, figures=["2"], plots=False, progress=False)
+    paper(cfg)
+    first = (tmp_path / "paper.md").read_text()
+    (tmp_path / "paper.md").unlink()
+    paper(dataclasses.replace(cfg, replot=True, plots=True))
+    assert (tmp_path / "paper.md").read_text().split("![fig2]")[0] == first and (tmp_path / "fig2.png").exists()
+    with pytest.raises(ConfigError, match="another --num-requests or --seed"):
+        paper(dataclasses.replace(cfg, replot=True, seed=12))
