@@ -267,17 +267,45 @@ async def disconnects(a: Attacker) -> list[Answer]:
     return list(await asyncio.gather(*(one() for _ in range(a.cfg.count(6)))))
 
 
+# ---- the audit after the first fixes ------------------------------------------------------------
+
+async def tiny_containers(a: Attacker) -> list[Answer]:
+    """Millions of tiny containers, parsed in one call that holds the GIL (11 s for the first, and
+    a router restart, with no key): [[1]] x 2M in /detokenize, [{}] x 200k in a field nobody reads."""
+    detok = json.dumps({"tokens": [[1]] * 2_000_000}).encode()
+    unknown = json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 1, "x": [{}] * 200_000}).encode()
+    key = a.key("tiny_containers")
+    return list(await asyncio.gather(
+        *(send(a.port, "POST", "/detokenize", json_headers(), detok, 30) for _ in range(3)),
+        *(send(a.port, "POST", "/v1/completions", json_headers(key), unknown, 30) for _ in range(3))))
+
+
+async def late_limits(a: Attacker) -> list[Answer]:
+    """Limits that were checked only after the costly work: 65 prompts, 16 prompts each far past
+    the context (tokenized in full before the first was refused: 4.7 s), 3M ids to detokenize
+    (a 39 MB answer), 100,000 stop_token_ids."""
+    key = a.key("late_limits")
+    # As UTF-8 (8.3 MB): escaped as JSON's \\uXXXX pairs it would pass the body limit (a 413).
+    long_prompts = json.dumps({"model": a.model, "prompt": ["\U0001F600" * 130_000] * 16},
+                              ensure_ascii=False).encode()
+    return [await post_json(a.port, "/v1/completions", {"model": a.model, "prompt": ["hi"] * 65}, key),
+            await send(a.port, "POST", "/v1/completions", json_headers(key), long_prompts, 30),
+            await post_json(a.port, "/detokenize", {"tokens": [1] * 3_000_000}, None, 30),
+            await post_json(a.port, "/v1/completions", {"model": a.model, "prompt": "hi",
+                                                        "stop_token_ids": [1] * 100_000}, key)]
+
+
 ATTACKS = {f.__name__: f for f in (
     tokenize_flood, schema_enum, schema_props, schema_cache, cross_key, content_type, big_body, surrogate_model,
     empty_grammar, queue_fanout, rate_burst, wrong_key_flood,
-    slowloris, idle_connections, nested_json, invalid_utf8, huge_headers, disconnects)}
+    slowloris, idle_connections, nested_json, invalid_utf8, huge_headers, disconnects, tiny_containers, late_limits)}
 JUDGES = {"tokenize_flood": SERVED, "schema_enum": SERVED, "schema_props": SERVED, "schema_cache": SERVED,
           "queue_fanout": QUEUE, "rate_burst": SERVED, "disconnects": SERVED, "huge_headers": SERVED,
           "slowloris": HOLD, "idle_connections": HOLD}
 # Keys: one per class (each class's rate limit is its own); cross_key has a victim and a thief.
 KEYED = ("schema_enum", "schema_props", "schema_cache", "cross_key:a", "cross_key:b", "content_type", "big_body",
          "surrogate_model", "empty_grammar", "queue_fanout", "rate_burst", "slowloris", "nested_json",
-         "invalid_utf8", "huge_headers", "disconnects")
+         "invalid_utf8", "huge_headers", "disconnects", "tiny_containers", "late_limits")
 
 
 def judge(cls: str) -> str:

@@ -203,7 +203,7 @@ ATTACK_CLASSES = ("tokenize_flood", "schema_enum", "schema_props", "schema_cache
                   "content_type", "big_body", "surrogate_model", "empty_grammar", "queue_fanout",
                   "rate_burst", "wrong_key_flood",
                   "slowloris", "idle_connections", "nested_json", "invalid_utf8", "huge_headers",
-                  "disconnects")
+                  "disconnects", "tiny_containers", "late_limits")
 
 
 @dataclass

@@ -181,6 +181,7 @@ def test_output_paths_print_normalized(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"label": "x", "completed": 0, "failed": 0, "request_throughput": 0,
-                                                  "output_throughput": 0, "request_rate": None}))
+                                                  "output_throughput": 0, "request_rate": None,
+                                                      "trace": "sharegpt", "server": {"model": "m"}}))
     assert loadgen_main(["compare", str(run), "--out", f"{tmp_path}/cmp/"]) == 0
     assert capsys.readouterr().out == f"comparison in {tmp_path}/cmp/compare.md\n"
