@@ -109,7 +109,8 @@ def test_limits_that_used_to_wait_for_costly_work(info, fake):
     """Audit after the first fixes, finding 2: a batch of too many prompts was refused after it was
     parsed and validated; 16 prompts too long for the context after all 16 were tokenized (4.7 s);
     stop_token_ids had no bound."""
-    too_long = "\U0001F600" * (info.max_prompt_chars // 8)       # each emoji several tokens: far past the context
+    # Each emoji several tokens, far past the context, under the byte bound: it must be tokenized.
+    too_long = "\U0001F600" * (info.max_prompt_bytes // 5)
     with _router(info, fake) as r, httpx.Client(base_url=r.url, timeout=30) as http:
         t0 = time.monotonic()
         resp = http.post("/v1/completions", json={"prompt": [too_long] * 16, "max_tokens": 1})

@@ -117,13 +117,13 @@ class RouterContext:
 
     # ---- checks shared by the endpoints ---------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        if len(text) > self.info.max_prompt_chars:
-            raise bad_request(f"This model's maximum context length is {self.info.max_model_len} tokens; "
-                              f"a text of {len(text)} characters cannot fit in it.", param)
         try:
-            text.encode("utf-8")
+            size = len(text.encode("utf-8"))
         except UnicodeEncodeError:
             raise bad_request("the text is not valid Unicode (it holds a lone surrogate)", param) from None
+        if size > self.info.max_prompt_bytes:
+            raise bad_request(f"This model's maximum context length is {self.info.max_model_len} tokens; "
+                              f"a text of {size} bytes cannot fit in it.", param)
         return list(self.info.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def check_token_ids(self, ids: list[int], param: str) -> None:

@@ -16,17 +16,22 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
 
-    max_token_chars: int = 64      # the longest token's text: a bound on characters per token
+    # The longest token's text in UTF-8 bytes, as the vocabulary writes it (a byte-level BPE's
+    # stand-ins for bytes take 1-2, a byte fallback's "<0xE2>" 6: never fewer than the bytes it covers).
+    max_token_bytes: int = 256
+    normalizes: bool = True        # the tokenizer has a normalizer (it may shrink a text before splitting it)
 
     @property
     def bos_token(self) -> str | None:
         return getattr(self.tokenizer, "bos_token", None)
 
     @property
-    def max_prompt_chars(self) -> int:
-        """Past this many characters a text cannot fit in the context, whatever it tokenizes to
-        (4x slack for normalizers that shrink text); longer texts are refused before tokenizing."""
-        return 4 * self.max_token_chars * self.max_model_len
+    def max_prompt_bytes(self) -> int:
+        """Past this many UTF-8 bytes a text cannot fit in the context, whatever it tokenizes to
+        (4x slack where a normalizer may shrink the text); larger texts are refused before
+        tokenizing. Counted in bytes, not characters: 130,000 emoji are 520,000 bytes and at least
+        one token per 4 of them, refused at once instead of after 0.5 s of tokenizing (issue 28)."""
+        return (4 if self.normalizes else 1) * self.max_token_bytes * self.max_model_len
 
 
 def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelInfo:
@@ -41,5 +46,8 @@ def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelIn
     except Exception as e:  # missing or invalid tokenizer files raise several types
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from None
     limit = context_length(max_model_len, spec)
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return ModelInfo(str(model_dir), tokenizer, limit, tuple(spec.eos_token_ids), spec.vocab_size, longest)
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizes = backend is None or backend.normalizer is not None
+    return ModelInfo(str(model_dir), tokenizer, limit, tuple(spec.eos_token_ids), spec.vocab_size, longest,
+                     normalizes)
