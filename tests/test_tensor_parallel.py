@@ -127,25 +127,90 @@ def test_head_shards_split_and_replicate():
         head_shard(12, 3, TensorParallel(0, 2))
 
 
+def _checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def _merged_layout(arch: str, spec, ckpt: dict, tp: TensorParallel) -> dict[str, tuple[str, list[tuple[str, slice]]]]:
+    """Merged parameter suffix -> the checkpoint tensors (suffixes) and rows of each that rank tp holds,
+    in order: its q, k, v slices (gate, up), each cut from its own tensor."""
+    heads = spec.num_attention_heads
+    s = head_shard(heads, heads if arch == "opt" else spec.num_kv_heads, tp)
+    D = spec.head_dim
+    q = slice(s.q_start * D, (s.q_start + s.num_heads) * D)
+    kv = slice(s.kv_start * D, (s.kv_start + s.num_kv_heads) * D)
+    layout = {"self_attn.qkv_proj": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]}
+    if arch != "opt":
+        i = ckpt["model.layers.0.mlp.gate_proj.weight"].shape[0] // tp.size
+        rows = slice(tp.rank * i, (tp.rank + 1) * i)
+        layout["mlp.gate_up_proj"] = [("mlp.gate_proj", rows), ("mlp.up_proj", rows)]
+    return layout
+
+
+@pytest.mark.parametrize("arch", TP_ARCHS)
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_merged_weights_are_the_checkpoints_slices_concatenated(biased_model_dirs, arch, tp_size):
+    """qkv_proj (and gate_up_proj) of rank r == cat(rank r's q slice, its k slice, its v slice) of the
+    unchanged Hugging Face tensors, weights and biases: not a slice of the concatenation. tp=4 over
+    the tiny llama/qwen2 (4 query heads, 2 KV heads) replicates each KV head on two ranks."""
+    ckpt = _checkpoint(biased_model_dirs[arch])
+    prefix = "model.decoder.layers" if arch == "opt" else "model.layers"
+    for rank in range(tp_size):
+        tp = TensorParallel(rank, tp_size)
+        model, spec = load_model(biased_model_dirs[arch], tp=tp)
+        params = dict(model.named_parameters())
+        layout = _merged_layout(arch, spec, ckpt, tp)
+        for layer in range(spec.num_layers):
+            for merged, parts in layout.items():
+                for leaf in ("weight", "bias"):
+                    name = f"{prefix}.{layer}.{merged}.{leaf}"
+                    sources = [f"{prefix}.{layer}.{part}.{leaf}" for part, _ in parts]
+                    if not all(src in ckpt for src in sources):
+                        assert name not in params, name       # no bias in the checkpoint: none here
+                        continue
+                    want = torch.cat([ckpt[src][rows] for src, (_, rows) in zip(sources, parts)])
+                    assert torch.equal(params[name], want), (arch, tp_size, rank, name)
+        if tp_size == 1:   # no tensor-parallel slicing at all: merged == the whole tensors concatenated
+            assert not any(hasattr(p, "tp_slice") for p in model.parameters())
+    if arch == "qwen2":   # the biases the test relies on are there and not zero
+        assert ckpt["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0
+
+
 def test_rank_shards_are_slices_of_the_checkpoint(tiny_llama):
     """tp=4 over the tiny llama (4 query heads, 2 KV heads): KV heads replicated on rank pairs."""
     full, spec = load_model(tiny_llama)
     D = spec.head_dim
     attn, mlp = full.model.layers[1].self_attn, full.model.layers[1].mlp
+    q, k, v = attn.qkv_proj.weight.split(attn.qkv_proj.sizes)       # tp=1: the whole q, k, v
+    gate, up = mlp.gate_up_proj.weight.split(mlp.gate_up_proj.sizes)
     for rank in range(4):
         shard, _ = load_model(tiny_llama, tp=TensorParallel(rank, 4))
         a, m = shard.model.layers[1].self_attn, shard.model.layers[1].mlp
         kv = rank // 2
-        assert torch.equal(a.q_proj.weight, attn.q_proj.weight[rank * D:(rank + 1) * D])
-        assert torch.equal(a.k_proj.weight, attn.k_proj.weight[kv * D:(kv + 1) * D])
-        assert torch.equal(a.v_proj.weight, attn.v_proj.weight[kv * D:(kv + 1) * D])
+        sq, sk, sv = a.qkv_proj.weight.split(a.qkv_proj.sizes)
+        assert torch.equal(sq, q[rank * D:(rank + 1) * D])
+        assert torch.equal(sk, k[kv * D:(kv + 1) * D])
+        assert torch.equal(sv, v[kv * D:(kv + 1) * D])
         assert torch.equal(a.o_proj.weight, attn.o_proj.weight[:, rank * D:(rank + 1) * D])
-        i = mlp.gate_proj.weight.shape[0] // 4
-        assert torch.equal(m.up_proj.weight, mlp.up_proj.weight[rank * i:(rank + 1) * i])
+        i = gate.shape[0] // 4
+        assert torch.equal(m.gate_up_proj.weight, torch.cat([gate[rank * i:(rank + 1) * i], up[rank * i:(rank + 1) * i]]))
         assert torch.equal(m.down_proj.weight, mlp.down_proj.weight[:, rank * i:(rank + 1) * i])
         assert torch.equal(shard.lm_head.weight, full.lm_head.weight)       # replicated
     assert spec.block_bytes(BLOCK_SIZE, torch.float32, 4) == spec.block_bytes(BLOCK_SIZE, torch.float32) // 2
     assert spec.block_bytes(BLOCK_SIZE, torch.float32, 2) == spec.block_bytes(BLOCK_SIZE, torch.float32) // 2
+
+
+def test_a_missing_part_of_a_merged_weight_is_named(tiny_llama, tmp_path):
+    """A checkpoint without k_proj of one layer is refused by that tensor's own name."""
+    from safetensors.torch import save_file
+    for f in Path(tiny_llama).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    weights = _checkpoint(tiny_llama)
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing .*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(str(tmp_path))
 
 
 def test_row_parallel_bias_is_added_once(tiny_model_dirs):

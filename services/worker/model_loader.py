@@ -14,7 +14,8 @@ import torch
 from pagedserve.kernels.limits import check_attention_shape
 from pagedserve.services.config_fields import DTYPES
 from pagedserve.services.worker.models import MODEL_REGISTRY
-from pagedserve.services.worker.tp import SINGLE, TensorParallel, TPConfigError, head_shard, read_shard
+from pagedserve.services.worker.tp import (SINGLE, PackedPart, TensorParallel, TPConfigError, head_shard, read_shard,
+                                          read_slice)
 
 
 class ModelLoadError(Exception):
@@ -143,6 +144,24 @@ def inspect_model_dir(model_dir: str | Path):
     return cfg, spec
 
 
+def checkpoint_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, PackedPart | None]]:
+    """Checkpoint tensor name -> (the parameter it loads into, None or its part of a merged one).
+
+    A merged parameter `...self_attn.qkv_proj.weight` is filled from the checkpoint's unchanged
+    `...self_attn.q_proj.weight`, `k_proj` and `v_proj` (tp.MergedColumnParallelLinear)."""
+    targets: dict[str, tuple[torch.nn.Parameter, PackedPart | None]] = {}
+    for pname, param in model.named_parameters():
+        parts = getattr(param, "packed_parts", None)
+        if parts is None:
+            targets[pname] = (param, None)
+            continue
+        module, _, leaf = pname.rpartition(".")            # "model.layers.0.self_attn.qkv_proj", "weight"
+        parent = module.rpartition(".")[0]
+        for part in parts:
+            targets[f"{parent}.{part.name}.{leaf}" if parent else f"{part.name}.{leaf}"] = (param, part)
+    return targets
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                tp: TensorParallel = SINGLE):
     """Build the paged model for the folder and load its safetensors weights -> (model, spec).
@@ -160,22 +179,26 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         raise ModelLoadError(f"cannot split {model_dir} over {tp.size} ranks: {e}") from None
     finally:
         torch.set_default_dtype(previous)
-    params = dict(model.named_parameters())
+    targets = checkpoint_targets(model)
     loaded: set[str] = set()
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name not in params:
+                if name not in targets:
                     continue  # e.g. rotary inv_freq buffers some checkpoints carry
-                tensor = read_shard(f, name, params[name])   # the whole tensor when unsharded
-                if tensor.shape != params[name].shape:
+                param, part = targets[name]
+                if part is None:
+                    dst, tensor = param, read_shard(f, name, param)   # the whole tensor when unsharded
+                else:   # one of q/k/v (gate/up): its rows of the merged parameter
+                    dst, tensor = param.narrow(0, part.offset, part.length), read_slice(f, name, part.tp_slice)
+                if tensor.shape != dst.shape:
                     raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(params[name].shape)}")
+                                         f"expected {tuple(dst.shape)}")
                 with torch.no_grad():
-                    params[name].copy_(tensor)
+                    dst.copy_(tensor)
                 loaded.add(name)
     # Tied parameters appear under one name in named_parameters(); the checkpoint may hold either.
-    missing = [n for n in params if n not in loaded]
+    missing = [n for n in targets if n not in loaded]
     if missing:
         raise ModelLoadError(f"weights missing from {model_dir}: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))

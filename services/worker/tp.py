@@ -12,6 +12,11 @@ matmul is small next to the layers; only rank 0 samples.
 Each parameter carries `tp_slice = (dim, start, length)`: the loader reads just that slice of the
 full checkpoint tensor (weights are sliced at load time, the checkpoint is never re-saved).
 
+MergedColumnParallelLinear runs several column-parallel linears over one input as one matmul
+(q/k/v, gate/up). Its parameters carry `packed_parts` instead: for each checkpoint tensor, where its
+rows go in the merged parameter and which slice of it this rank reads. A rank's merged weight is
+the concatenation of its q, k and v slices, not a slice of the concatenated weight.
+
 KV heads: with num_kv_heads >= tp_size each rank holds num_kv_heads / tp_size of them; with fewer
 KV heads than ranks each KV head is replicated on tp_size / num_kv_heads ranks (as vLLM does), so
 every rank holds exactly one and its query heads all map onto it.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -137,6 +142,34 @@ class ColumnParallelLinear(nn.Linear):
             _mark(self.bias, 0, out_start, out_local)
 
 
+@dataclass(frozen=True)
+class PackedPart:
+    """Checkpoint tensor `<module>.<name>.<weight|bias>` fills rows [offset, offset + length) of the
+    merged parameter; tp_slice: the (dim, start, length) of it this rank reads (None: all of it)."""
+    name: str
+    offset: int
+    length: int
+    tp_slice: tuple[int, int, int] | None
+
+
+class MergedColumnParallelLinear(nn.Linear):
+    """Column-parallel linears over the same input in one matmul: y = [y_a | y_b | ...].
+
+    parts: (checkpoint module name, out_local, out_start) each, e.g. ("q_proj", Hq*D, q_start*D);
+    `sizes` are the out_local widths, to split the output with."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int, int]], bias: bool, tp: TensorParallel):
+        super().__init__(in_features, sum(n for _, n, _ in parts), bias=bias)
+        self.sizes = [n for _, n, _ in parts]
+        packed, offset = [], 0
+        for name, n, start in parts:
+            packed.append(PackedPart(name, offset, n, (0, start, n) if tp.size > 1 else None))
+            offset += n
+        self.weight.packed_parts = tuple(packed)
+        if self.bias is not None:
+            self.bias.packed_parts = tuple(packed)
+
+
 class RowParallelLinear(nn.Linear):
     """A full Linear(in, out) from this rank's input slice: partial x @ W^T, all_reduce, then bias."""
 
@@ -155,7 +188,11 @@ class RowParallelLinear(nn.Linear):
 
 def read_shard(f, name: str, param: torch.Tensor) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` from an open safetensors file (reads the slice only)."""
-    spec = getattr(param, "tp_slice", None)
+    return read_slice(f, name, getattr(param, "tp_slice", None))
+
+
+def read_slice(f, name: str, spec: tuple[int, int, int] | None) -> torch.Tensor:
+    """Checkpoint tensor `name`, or only its [start, start + length) along dim for spec (dim, start, length)."""
     if spec is None:
         return f.get_tensor(name)
     dim, start, length = spec

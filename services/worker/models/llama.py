@@ -1,20 +1,22 @@
 """Llama family over the paged KV cache: Llama, Mistral and Qwen2 (q/k/v bias) in one module.
 
-Parameter names follow the Hugging Face checkpoints so safetensors load without renaming.
-Numerics follow transformers' modeling_llama (RMSNorm in float32, rotate-half RoPE) so greedy
-decoding matches it token for token.
+Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, each merged into one
+matmul (qkv_proj, gate_up_proj) that the loader fills from the checkpoint's unchanged tensors.
+A layer runs as nano-vllm's: residual add fused into RMSNorm, RoPE in place on q and k at once,
+SiLU-and-mul in one function (models/layers.py). Numerics follow transformers' modeling_llama
+(RMSNorm in float32, rotate-half RoPE) so greedy decoding matches it token for token.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from pagedserve.services.worker.attn_metadata import AttentionMetadata
 from pagedserve.services.worker.models.attention import paged_attention_layer
+from pagedserve.services.worker.models.layers import apply_rope_, rms_norm, silu_and_mul
 from pagedserve.services.worker.models.rope import RotaryEmbedding
-from pagedserve.services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
-                                split)
+from pagedserve.services.worker.tp import (SINGLE, MergedColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                head_shard, split)
 
 
 class RMSNorm(nn.Module):
@@ -23,11 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> (RMSNorm(x + residual), x + residual); x is overwritten when residual is given."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -41,19 +41,20 @@ class LlamaAttention(nn.Module):
         self.head_dim = D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         h = cfg.hidden_size
-        self.q_proj = ColumnParallelLinear(h, shard.num_heads * D, shard.q_start * D, bias, tp)
-        self.k_proj = ColumnParallelLinear(h, shard.num_kv_heads * D, shard.kv_start * D, bias, tp)
-        self.v_proj = ColumnParallelLinear(h, shard.num_kv_heads * D, shard.kv_start * D, bias, tp)
+        # One matmul for this rank's q, k and v heads, loaded from the checkpoint's q/k/v_proj.
+        self.qkv_proj = MergedColumnParallelLinear(h, [("q_proj", shard.num_heads * D, shard.q_start * D),
+                                                       ("k_proj", shard.num_kv_heads * D, shard.kv_start * D),
+                                                       ("v_proj", shard.num_kv_heads * D, shard.kv_start * D)],
+                                                   bias, tp)
         # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too.
         self.o_proj = RowParallelLinear(shard.num_heads * D, shard.q_start * D, h,
                                         bool(getattr(cfg, "attention_bias", False)), tp)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
-        T = x.shape[0]                                               # x: [T, hidden]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)   # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, k, cos, sin)
+        T, D = x.shape[0], self.head_dim                             # x: [T, hidden]
+        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, D)
+        apply_rope_(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)   # q and k side by side
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views
         o = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
@@ -65,14 +66,13 @@ class LlamaMLP(nn.Module):
         i = split(cfg.intermediate_size, tp.size, "intermediate_size")   # this rank's features
         start = tp.rank * i
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_proj = ColumnParallelLinear(h, i, start, bias, tp)
-        self.up_proj = ColumnParallelLinear(h, i, start, bias, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(h, [("gate_proj", i, start), ("up_proj", i, start)], bias, tp)
         self.down_proj = RowParallelLinear(i, start, h, bias, tp)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,9 +83,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """-> (this layer's MLP output, the residual stream before it): the residual add is left
+        to the next norm (nano-vllm's way); residual is None for the first layer."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -116,10 +119,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)                      # [T, D] each
+        cos, sin = self.rotary(positions, x.dtype)                      # [T, 1, D] each
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                             # [R, vocab]

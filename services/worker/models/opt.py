@@ -2,7 +2,8 @@
 
 Follows transformers' modeling_opt: learned positions offset by 2, pre- or post-LayerNorm
 (do_layer_norm_before), ReLU MLP, optional project_in/out when word_embed_proj_dim differs from
-hidden_size, lm_head tied to the token embedding.
+hidden_size, lm_head tied to the token embedding. q/k/v run as one matmul (qkv_proj), loaded from
+the checkpoint's unchanged q/k/v_proj.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 
 from pagedserve.services.worker.attn_metadata import AttentionMetadata
 from pagedserve.services.worker.models.attention import paged_attention_layer
-from pagedserve.services.worker.tp import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, head_shard,
-                                split)
+from pagedserve.services.worker.tp import (SINGLE, ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
+                                TensorParallel, head_shard, split)
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (a fairseq legacy)
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -31,16 +32,14 @@ class OPTAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         bias = getattr(cfg, "enable_bias", True)
         local, start = shard.num_heads * D, shard.q_start * D
-        self.q_proj = ColumnParallelLinear(h, local, start, bias, tp)
-        self.k_proj = ColumnParallelLinear(h, local, start, bias, tp)
-        self.v_proj = ColumnParallelLinear(h, local, start, bias, tp)
+        self.qkv_proj = MergedColumnParallelLinear(
+            h, [("q_proj", local, start), ("k_proj", local, start), ("v_proj", local, start)], bias, tp)
         self.out_proj = RowParallelLinear(local, start, h, bias, tp)
 
     def forward(self, x, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]                                                # x: [T, hidden]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)    # [T, H, D]
-        k = self.k_proj(x).view(T, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(T, 3 * self.num_heads, self.head_dim)
+        q, k, v = qkv.split(self.num_heads, dim=1)                   # [T, H, D] views
         o = paged_attention_layer(q, k, v, kv_cache, meta, self.scale)
         return self.out_proj(o.reshape(T, -1))
 

@@ -43,17 +43,14 @@ class RotaryEmbedding(nn.Module):
         self.scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [T] -> cos, sin [T, 1, D] for layers.apply_rope_ (computed once per step).
+
+        sin's first half is negated: x*cos + swap_halves(x)*sin is then transformers'
+        x*cos + rotate_half(x)*sin exactly (negation is exact), with no negation per layer."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]    # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; cos, sin: [T, D]."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        cos = (emb.cos() * self.scaling).to(dtype)
+        sin = (emb.sin() * self.scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return cos[:, None, :], sin[:, None, :]
