@@ -84,7 +84,8 @@ class Engine:
                                 policy=make_policy(config.allocation, self.max_model_len),
                                 host_cache_blocks=cf.host_cache_blocks(config, num_host, block_bytes))
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
-                                  self.dtype, config.device)
+                                  self.dtype, config.device, max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len)
         tokenizer = self.tokenizer
         self.guides = Guides(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed, guides=self.guides)

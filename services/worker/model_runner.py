@@ -5,6 +5,10 @@ kvstore does) and reads nothing but the step it is given. No I/O: the worker pro
 """
 from __future__ import annotations
 
+import heapq
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 
 from pagedserve.services.steps import SeqStep  # noqa: F401  (re-exported: the worker's callers import it here)
@@ -30,53 +34,131 @@ def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, 
     return [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(spec.num_layers)]
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool_blocks: torch.Tensor,
                  block_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 tp_size: int = 1):
+                 tp_size: int = 1, max_num_batched_tokens: int = 2048, max_model_len: int | None = None):
+        """max_num_batched_tokens (the scheduler's) sizes the step buffers: tokens, and sequences
+        too, each of which has a token in the step (the scheduler's max_num_seqs counts requests, and
+        a request's n samples or beams are sequences each); max_model_len (default the model's) sets
+        the block table's width."""
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = kv_cache_views(pool_blocks, spec, block_size, dtype, tp_size)
+        self._init_step_buffers(max_num_batched_tokens, max_num_batched_tokens,
+                                cdiv(max_model_len or spec.max_model_len, block_size) + 1)
+
+    # ---- the step's inputs: persistent buffers, one copy to the device per step ----------------
+
+    def _init_step_buffers(self, max_seqs: int, max_tokens: int, width: int) -> None:
+        """One host buffer (pinned on CUDA) holds every input of a step at fixed offsets; its device
+        twin takes it in one copy (on CPU the host buffer is the device's). Fields, int64: ids,
+        positions, table row of each token [T]; logits rows, table row of each sequence [S]; int32:
+        seq lens [S], query starts [S+1], block table [S, width]. A sequence keeps its table row while
+        it is in every step, and the row is rewritten only when its table changed."""
+        S, T, W = max_seqs, max_tokens, width
+        self.max_seqs, self.max_tokens, self.max_blocks = S, T, W
+        self.n64 = 3 * T + 2 * S
+        self.table_offset = 8 * self.n64 + 4 * (2 * S + 1)          # bytes before the block table
+        nbytes = self.table_offset + 4 * S * W
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if cuda else self.host
+        self.h = self._fields(self.host, numpy=True)
+        self.d = self._fields(self.dev)
+        self.copied = torch.cuda.Event() if cuda else None   # the last copy out of self.host
+        self.row_of: dict[int, int] = {}                     # seq id -> its table row
+        self.free_rows = list(range(S))                      # a heap: rows in use stay low
+        self.written: list[list[int]] = [[] for _ in range(S)]   # each row's table as last written
+
+    def _fields(self, buf: torch.Tensor, numpy: bool = False) -> SimpleNamespace:
+        S, T = self.max_seqs, self.max_tokens
+        i64 = buf[:8 * self.n64].view(torch.int64)
+        i32 = buf[8 * self.n64:].view(torch.int32)
+        f = SimpleNamespace(ids=i64[:T], positions=i64[T:2 * T], token_rows=i64[2 * T:3 * T],
+                            logits=i64[3 * T:3 * T + S], rows=i64[3 * T + S:],
+                            seq_lens=i32[:S], qsl=i32[S:2 * S + 1],
+                            table=i32[2 * S + 1:].view(S, self.max_blocks))
+        return SimpleNamespace(**{k: v.numpy() for k, v in vars(f).items()}) if numpy else f
+
+    def _row(self, s: SeqStep) -> int:
+        """The sequence's table row, its table written there if it changed since the last step."""
+        row = self.row_of.get(s.seq_id)
+        if row is None:
+            row = self.row_of[s.seq_id] = heapq.heappop(self.free_rows)
+        old, table = self.written[row], s.block_table
+        if old != table:   # equal lists share their int objects: a pointer compare per entry
+            if len(table) > self.max_blocks:
+                raise ValueError(f"seq {s.seq_id}: block table has {len(table)} blocks, the runner "
+                                 f"holds {self.max_blocks} (max_model_len)")
+            self.h.table[row, :len(table)] = table
+            self.h.table[row, len(table):len(old)] = 0
+            self.written[row] = list(table)
+        return row
 
     def prepare(self, steps: list[SeqStep]):
-        """Flatten the ragged batch: ids/positions [T], slot mapping [T], block tables [S, max_blocks]."""
-        B = self.block_size
+        """Flatten the ragged batch into the step buffers -> ids/positions [T] and the metadata:
+        slot mapping [T] (computed on the device from positions and the table), block tables
+        [S, max_blocks], seq lens [S], query starts [S+1], logits rows [R]. The tensors are views of
+        the buffers: valid until the next prepare."""
+        B, h, d = self.block_size, self.h, self.d
+        S = len(steps)
+        if S > self.max_seqs:
+            raise ValueError(f"{S} sequences in a step, the runner holds {self.max_seqs} "
+                             f"(max_num_batched_tokens)")
+        present = {s.seq_id for s in steps}
+        for seq_id in [i for i in self.row_of if i not in present]:   # gone or paused: row freed
+            heapq.heappush(self.free_rows, self.row_of.pop(seq_id))
+        if self.copied is not None:
+            self.copied.synchronize()   # the last step's copy has left the host buffer
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        logits_rows: list[int] = []
-        max_blocks = max(len(s.block_table) for s in steps)
-        tables = torch.zeros((len(steps), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(steps):
+        starts, q_lens, rows, wants = [], [], [], []
+        for s in steps:
             n = len(s.token_ids)
-            end = s.start_pos + n
-            if len(s.block_table) * B < end:
+            if len(s.block_table) * B < s.start_pos + n:
                 raise ValueError(f"seq {s.seq_id}: block table covers {len(s.block_table) * B} slots, "
-                                 f"step needs {end}")
-            ids.extend(s.token_ids)
-            pos = range(s.start_pos, end)
-            positions.extend(pos)
-            slots.extend(s.block_table[p // B] * B + p % B for p in pos)
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + n)
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-            if s.wants_logits:
-                logits_rows.append(qsl[-1] - 1)
-        dev = self.device
+                                 f"step needs {s.start_pos + n}")
+            rows.append(self._row(s))
+            ids += s.token_ids
+            starts.append(s.start_pos)
+            q_lens.append(n)
+            wants.append(s.wants_logits)
+        T = len(ids)
+        if T > self.max_tokens:
+            raise ValueError(f"{T} tokens in a step, the runner holds {self.max_tokens} "
+                             f"(max_num_batched_tokens)")
+        q_lens_np, starts_np = np.array(q_lens), np.array(starts)
+        qsl = h.qsl[:S + 1]
+        np.cumsum(q_lens_np, out=qsl[1:])
+        h.seq_lens[:S] = starts_np + q_lens_np
+        h.ids[:T] = ids
+        h.positions[:T] = np.arange(T) + np.repeat(starts_np - qsl[:-1], q_lens_np)
+        h.token_rows[:T] = np.repeat(rows, q_lens_np)
+        h.rows[:S] = rows
+        R = sum(wants)
+        h.logits[:R] = qsl[1:][np.array(wants, dtype=bool)] - 1
+        if self.copied is not None:   # up to the last table row in use
+            n = self.table_offset + 4 * self.max_blocks * (max(rows) + 1)
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self.copied.record()
+        positions = d.positions[:T]
+        slot_mapping = (d.table.view(-1)[d.token_rows[:T] * self.max_blocks + positions // B] * B
+                        + positions % B)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(len(s.token_ids) for s in steps),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            slot_mapping=slot_mapping,
+            block_tables=d.table.index_select(0, d.rows[:S]),
+            seq_lens=d.seq_lens[:S],
+            query_start_loc=d.qsl[:S + 1],
+            max_query_len=max(q_lens),
+            logits_indices=d.logits[:R],
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+        return d.ids[:T], positions, meta
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], compute_logits: bool = True,

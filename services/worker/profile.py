@@ -83,7 +83,9 @@ def warm_up_and_profile(model: torch.nn.Module, spec, dtype: torch.dtype, device
     with on_device(device):
         scratch = torch.zeros((num_blocks, spec.block_bytes(block_size, dtype, tp_size)),
                               dtype=torch.uint8, device=device)   # [N, block_bytes]
-    runner = ModelRunner(model, spec, scratch, block_size, dtype, device, tp_size)
+    runner = ModelRunner(model, spec, scratch, block_size, dtype, device, tp_size,
+                         max_num_batched_tokens=num_tokens,
+                         max_model_len=max(spec.max_model_len, num_blocks * block_size))
     core = WorkerCore(runner, spec.eos_token_ids) if samples else None
     try:
         before = memory.start()

@@ -349,7 +349,8 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
         # Device numbers are per process (CUDA_VISIBLE_DEVICES): the two must name the same GPU.
         raise StartupError(f"the kvstore's pool for rank {config.rank} is on {where}, this worker runs on "
                            f"{device}: give the kvstore and the worker the same GPU")
-    runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size)
+    runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size,
+                         max_num_batched_tokens=config.profile_tokens)
     core = None
     if config.rank == 0:
         guides = Guides(functools.partial(load_tokenizer, config.model), spec.vocab_size, spec.eos_token_ids,
