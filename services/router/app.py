@@ -218,7 +218,11 @@ class RouterContext:
                                     f"{self.config.rate_limit_window_s:g} s.",
                                headers={"Retry-After": str(max(1, math.ceil(decision.retry_after_s)))})
             request.state.rate_hit = (key, decision.token)
-        return self.admission.enter()
+        try:
+            return self.admission.enter()
+        except APIError:          # the queue is full: nothing reached an engine, the quota goes back
+            self.refund(request)
+            raise
 
     def refund(self, request: Request) -> None:
         """Give back the rate-limit quota a request took: one the API refused as invalid (a 4xx)
