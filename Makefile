@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: serve demo test test-latest lock fuzz soak soak-attack bench-kernels gpu-wheels gpu-check clean
+.PHONY: serve demo test test-latest lock fuzz soak soak-attack bench-kernels gpu-wheels gpu-check gpu-bench clean
 
 # The GPU machine runs the check with its own Python (torch, triton; no network, no .venv there).
 GPU_PY ?= python3
@@ -79,6 +79,11 @@ gpu-wheels:
 # There: one table, under 5 minutes; exits 77 at once (make then says Error 77) without CUDA.
 gpu-check:
 	@$(GPU_PY) scripts/gpu_check.py
+
+# There too: the speed figures of issue 30 (engine step profile, offline paged vs Orca-Oracle, the
+# served stack), eager and CUDA graphs side by side, one table, under 5 minutes; exit 77 without CUDA.
+gpu-bench:
+	@$(GPU_PY) scripts/gpu_bench.py
 
 clean:
 	rm -rf $(VENV) .cache
