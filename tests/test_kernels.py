@@ -281,9 +281,16 @@ def test_cpu_kernel_refuses_a_table_that_leaves_the_pool():
 
 
 def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(monkeypatch, caplog):
+    """Holds on a machine with a compiler and a GPU too: the compiler lookup finds none whatever it
+    asks for, and the case is built on the CPU (on the GPU machine DEVICE is cuda, where None means
+    Triton and the outputs differ from the reference's in the last bits)."""
+    import shutil
+
     from pagedserve.kernels import cpu_ops
     monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)   # whatever the check looks up
     monkeypatch.setattr(cpu_ops, "_state", {})   # as in a fresh process
+    monkeypatch.setitem(globals(), "DEVICE", "cpu")   # PagedCase and make_pool read it at call time
     with caplog.at_level("WARNING", logger="pagedserve.kernels"):
         assert ops.resolve_impl(torch.zeros(1), None) == "reference"
     assert "no C++ compiler" in caplog.text and "using the PyTorch reference" in caplog.text
