@@ -92,6 +92,16 @@ def hf_scores(hf, seq: list[int], device: str) -> tuple[list[int], list[float], 
             (top2[:, 0] - top2[:, 1]).tolist())
 
 
+def cause(text: str) -> str:
+    """The line of an error's text (or a process's output) that says what went wrong: the last one
+    naming an exception (a child's traceback ends with it), else the last line. A stack that died
+    at start-up ends its output with the kvstore's CUDA IPC warning about its consumers, which
+    says nothing of the cause (gpu-check, 2026-12-04: the router's `import fastapi` had failed)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)]
+    return (named or lines or [""])[-1][:200]
+
+
 def row(section: str, check: str, ok, figure: str) -> dict:
     return {"section": section, "check": check, "ok": ok, "figure": figure}
 
@@ -249,8 +259,7 @@ def main(argv=None) -> int:
         check_pressure(model, args.device, prompts, reference, rows)
         check_bfloat16(model, args.device, prompts, rows)
     except Exception as e:   # one failed section must still leave its row and the others' rows
-        last = (str(e).strip().splitlines() or [""])[-1][:200]
-        rows.append(row("server", "gpu_e2e", False, f"{type(e).__name__}: {last}"))
+        rows.append(row("server", "gpu_e2e", False, f"{type(e).__name__}: {cause(str(e))}"))
     return 0 if all(r["ok"] is not False for r in rows) else 1
 
 
