@@ -510,11 +510,24 @@ def section_rows(name: str, code, seconds: float, data: dict, log: Path, smoke: 
             "served": lambda: served_rows(data)}.get(name, lambda: [])()
     rows += [row(name, "note", n) for n in data.get("notes", [])]
     finished = code == 0 and data.get("done")
-    tail = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1][:160] if log.exists() else ""
+    tail = why_failed(log.read_text(errors="replace")) if log.exists() and not finished else ""
     rows.append(row(name, "section", ("finished" if finished else
                                       f"out of time; {tail}" if code is None else f"exit {code}; {tail}")
                     + f" ({seconds:.0f} s)", "finished", bool(finished)))
     return rows
+
+
+def why_failed(text: str) -> str:
+    """The log line that says what went wrong (gpu_e2e.cause: the last exception line, not the last
+    line, which for a stack that died is a shutdown message)."""
+    try:
+        sys.path.insert(0, str(REPO))
+        from pagedserve.loadgen.gpu_e2e import cause
+        return cause(text)[:160]
+    except Exception:
+        return (text.strip().splitlines() or ["no output"])[-1][:160]
+    finally:
+        sys.path.remove(str(REPO))
 
 
 def table(rows: list[dict]) -> str:
