@@ -224,45 +224,64 @@ def measure_batch(eng, s: dict, batch: int) -> dict:
     step_ms = sum(split.values()) / n * 1e3
     out = {"batch": batch, "decode_batch": len(sch.steps), "step_ms": round(step_ms, 3),
            **{f"{k}_ms": round(v / n * 1e3, 3) for k, v in split.items()}}
-    # Forward + logits: the runner's execute on the last step's inputs, less its prepare. The KV it
-    # writes is what that step wrote (same tokens, same slots).
+    # Forward + logits on the last step's inputs (the KV it writes is what that step wrote: same
+    # tokens, same slots): the filled buffers run again as the engine runs them, a graph's replay
+    # where one serves the step. Where the runner has no fill/graphs (an older checkout): its
+    # execute less its prepare.
     try:
-        runner, steps = eng.runner, sch.steps
-        with torch.inference_mode():
-            for _ in range(3):
-                runner.execute(steps)
-            sync()
-            t = time.perf_counter()
-            for _ in range(s["probe_reps"]):
-                runner.prepare(steps)
-            sync()
-            prep = (time.perf_counter() - t) / s["probe_reps"] * 1e3
-            t = time.perf_counter()
-            for _ in range(s["probe_reps"]):
-                runner.execute(steps)
-            sync()
-            exe = (time.perf_counter() - t) / s["probe_reps"] * 1e3
-        out.update(prepare_ms=round(prep, 3), runner_execute_ms=round(exe, 3),
-                   forward_logits_ms=round(max(exe - prep, 0.0), 3))
+        out.update(forward_probe(eng.runner, sch.steps, s, sync))
     except Exception as e:   # the runner's API moved: the other figures still count
         out["forward_logits_error"] = f"{type(e).__name__}: {str(e)[:160]}"
     acts = [torch.profiler.ProfilerActivity.CPU]
     if s["device"] == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     steps_p = s["profiled_steps"]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(steps_p):
-            eng.step()
-        sync()
-    figures = profile_figures(prof, steps_p, s["device"])
-    figures["busy_share"] = round(min(1.0, figures["busy_ms"] / step_ms), 3) if step_ms else None
-    out.update(figures)
+    try:
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps_p):
+                eng.step()
+            sync()
+        figures = profile_figures(prof, steps_p, s["device"])
+        figures["busy_share"] = round(min(1.0, figures["busy_ms"] / step_ms), 3) if step_ms else None
+        out.update(figures)
+    except Exception as e:   # the profiler failed: the host figures still count
+        out["profiler_error"] = f"{type(e).__name__}: {str(e)[:160]}"
     for rid in ids:   # done with them: free their blocks for the next batch
         if sched.abort(rid) or rid in sched.requests:
             sched.pop_finished(rid)
     while sched.has_unfinished():
         eng.step()
     return out
+
+
+def forward_probe(runner, steps, s: dict, sync) -> dict:
+    import torch
+    reps = s["probe_reps"]
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    with torch.inference_mode():
+        if hasattr(runner, "fill") and hasattr(runner, "graphs"):
+            fill_ms = timed(lambda: runner.fill(steps))
+            shape = runner.fill(steps)
+
+            def forward_logits():
+                hidden = runner.graphs.replay(shape) if shape.graph else runner.forward(shape)
+                return runner.model.compute_logits(hidden[runner.d.logits[:shape.num_logits]])
+            return {"fill_ms": round(fill_ms, 3), "forward_logits_ms": round(timed(forward_logits), 3),
+                    "graph_bucket": shape.graph}
+        prep = timed(lambda: runner.prepare(steps))
+        exe = timed(lambda: runner.execute(steps))
+        return {"prepare_ms": round(prep, 3), "runner_execute_ms": round(exe, 3),
+                "forward_logits_ms": round(max(exe - prep, 0.0), 3), "graph_bucket": None}
 
 
 def section_profile(s: dict, model: str, fig: Figures) -> None:
@@ -440,12 +459,16 @@ def profile_rows(data: dict, smoke: bool) -> list[dict]:
     unit = "CPU ops" if smoke else "launches"
     busy = "aten busy" if smoke else "GPU busy"
     for r in runs:
-        fwd = (f"fwd+logits {fmt(r.get('forward_logits_ms'))} ms" if "forward_logits_ms" in r
-               else f"fwd+logits n/a ({r.get('forward_logits_error', '')[:60]})")
+        fwd = (f"fwd+logits {fmt(r.get('forward_logits_ms'))} ms "
+               f"({'graph ' + str(r['graph_bucket']) if r.get('graph_bucket') else 'eager'})"
+               if "forward_logits_ms" in r else f"fwd+logits n/a ({r.get('forward_logits_error', '')[:60]})")
+        prof = (f"{busy} {fmt(r['busy_ms'])} ms = "
+                f"{fmt(100 * r['busy_share'] if r.get('busy_share') is not None else None, ' %', 0)}; "
+                f"{fmt(r['launches'], '', 0)} {unit}/step"
+                + (f" ({r['graph_launches']:g} graph replays)" if r.get("graph_launches") else "") if "busy_ms" in r
+                else f"profiler n/a ({r.get('profiler_error', '')[:60]})")
         figures = (f"step {fmt(r['step_ms'])} ms (schedule {fmt(r['schedule_ms'])} / worker {fmt(r['worker_ms'])} / "
-                   f"update {fmt(r['update_ms'])}); {fwd}; {busy} {fmt(r['busy_ms'])} ms "
-                   f"= {fmt(100 * r['busy_share'] if r.get('busy_share') is not None else None, ' %', 0)}; "
-                   f"{fmt(r['launches'], '', 0)} {unit}/step")
+                   f"update {fmt(r['update_ms'])}); {fwd}; {prof}")
         config = f"{r['mode']}, batch {r['batch']}" + ("" if r.get("decode_batch") == r["batch"]
                                                        else f" (decoded {r.get('decode_batch')})")
         if r["batch"] == JUDGED_BATCH and r["mode"] == judged_mode:
