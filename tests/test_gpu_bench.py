@@ -123,3 +123,23 @@ def test_rows_judge_the_issue_targets(gpu_bench):
     assert rows[-1]["config"] == "graphs / eager" and rows[-1]["ok"] is True and rows[-1]["figures"].startswith("5.00x")
     text = gpu_bench.table(rows + judged)
     assert len(text.splitlines()) == 5 and "MISSED" in text.splitlines()[-1]
+
+
+def test_profile_measure_with_graphs_engaged(gpu_bench, tiny_llama):
+    """The profile's measurement on an engine whose decode runs in graphs (recorded on CPU as
+    tests/test_cuda_graphs.py does): the forward probe replays the graph of the step's bucket, the
+    split adds up, and the engine is left with nothing running for the next batch."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.services.engine import Engine
+    from pagedserve.services.worker.cuda_graphs import Recorder
+    if not cpu_ops.available():
+        pytest.skip("no C++ compiler: the recorded replay needs the CPU kernel")
+    s = gpu_bench.sizes(smoke=True)
+    with Engine(gpu_bench.engine_config(s, tiny_llama, False, num_device_blocks=256)) as eng:
+        eng.runner.capture_graphs(s["max_num_seqs"], Recorder())
+        for batch in (2, 3):
+            r = gpu_bench.measure_batch(eng, s, batch)
+            assert r["decode_batch"] == batch and r["graph_bucket"] == {2: 2, 3: 4}[batch]
+            assert r["forward_logits_ms"] > 0 and r["fill_ms"] > 0 and r["launches"] > 0
+            assert abs(r["schedule_ms"] + r["worker_ms"] + r["update_ms"] - r["step_ms"]) < 0.01
+            assert not eng.scheduler.has_unfinished() and not eng.scheduler.requests
