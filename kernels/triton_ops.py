@@ -18,6 +18,7 @@ Rules every kernel keeps, because the layout and the interpreter demand them:
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -102,6 +103,26 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 _STEP_VARYING = ["table_s0", "q_blocks_per_seq", "num_splits"]
 
 
+# Set for the whole process before this module is imported (the @triton.jit decorators read it).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+if _INTERPRETED:
+    @triton.jit
+    def _mma(a, b, DOT_PRECISION: tl.constexpr):
+        """tl.dot, for the interpreter: its tl.dot multiplies bf16 operands as their raw 16-bit
+        patterns (triton 3.9; fp16 and fp32 are right), so bf16 operands are widened to fp32
+        first. They hold bf16 values either way (p is rounded to bf16 before it gets here), so the
+        products are those a GPU's bf16 MMA makes, accumulated in fp32 as there."""
+        if a.dtype == tl.bfloat16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+else:
+    @triton.jit
+    def _mma(a, b, DOT_PRECISION: tl.constexpr):
+        """tl.dot (a GPU's: the interpreter has its own definition above)."""
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_start, cols, kv_end,
                  q_pos, kv_head, dims, scale_log2, cache_s0, cache_s1, cache_s2,
@@ -130,7 +151,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_start
         k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None])  # [D, N]
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :])  # [N, D]
 
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    s = _mma(q, k, DOT_PRECISION) * scale_log2  # [M, N]
     if MASKED:
         if CAUSAL:
             visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
@@ -141,7 +162,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_start
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [M, N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
 
 
