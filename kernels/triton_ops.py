@@ -359,10 +359,11 @@ def _prefill_tile(head_dim: int, group: int, num_tokens: int, num_seqs: int) -> 
 # size (num_seqs, kv heads, the table's width = blocks per sequence at most, the device), so a
 # CUDA graph captured for that batch size replays with the same launch whatever the lengths.
 MAX_SPLITS = 16          # the reduce kernel's tile over splits (one compile); 16 x 8 heads x 1 seq = 128 programs
-MIN_SPLIT_KEYS = 512     # a share shorter than this costs more (its partial write + the reduce
-                         # launch, a few us) than the parallelism gains: short contexts never split
-WAVES = 2                # aim for two programs per SM: one 4-warp program cannot keep an SM's memory
-                         # pipe busy on its own, and decode is bandwidth-bound
+MIN_SPLIT_KEYS = 256     # a share reads at least 256 keys (128 KiB of K/V at head_dim 128, fp16), so its
+                         # partial (GROUP x D floats + m, l) is < 2 % of its traffic; contexts of at
+                         # most 256 keys never split, and so never pay the reduce's extra launch
+WAVES = 2                # below one program per SM, aim for two: one 4-warp program cannot keep an
+                         # SM's memory pipe busy on its own, and decode is bandwidth-bound
 _DEFAULT_SMS = 132       # H100 SXM / H200; used where no CUDA device answers (the interpreter)
 
 
@@ -382,7 +383,10 @@ def decode_splits(num_seqs: int, num_kv_heads: int, table_width: int, block_size
     real lengths would not: the shares are cut on the device from seq_lens, and a share past a
     sequence's end exits at once (it writes an empty partial)."""
     programs = num_seqs * num_kv_heads
-    want = triton.cdiv(WAVES * _sm_count(device), max(1, programs))
+    sms = _sm_count(device)
+    if programs >= sms:  # every SM already has a program: shares would only add partials + reduce
+        return 1
+    want = triton.cdiv(WAVES * sms, max(1, programs))
     fit = (table_width * block_size) // MIN_SPLIT_KEYS
     return max(1, min(MAX_SPLITS, want, fit))
 
@@ -407,6 +411,42 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return _PLACEHOLDERS[device]
 
 
+# Decode launches, by the shapes and strides of their arguments: a decode step at small batch is
+# bound by the host (the GPU work is a few us), so the checks and the launch configuration are
+# worked out once per shape rather than at every call, in every layer.
+_DECODE_PLANS: dict[tuple, tuple] = {}
+
+
+def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table_width: int,
+                 num_splits: int | None) -> tuple:
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+           v_cache.shape, v_cache.stride(), table_width, num_splits)
+    plan = _DECODE_PLANS.get(key)
+    if plan is not None:
+        return plan
+    group = _check_attention_args(q, k_cache, v_cache)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if num_splits is None:
+        num_splits = decode_splits(num_seqs, num_kv_heads, table_width, block_size, q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    out_stride = (num_q_heads * head_dim, head_dim)  # out is made contiguous
+    strides = (q.stride(0), q.stride(1), out_stride[0], out_stride[1],
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table_width)
+    meta = dict(GROUP=group, BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=_kv_tile(head_dim),
+                BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
+                num_warps=4, num_stages=2)
+    reduce_meta = dict(MAX_SPLITS=MAX_SPLITS, HEAD_DIM=head_dim,
+                       num_warps=4 if head_dim >= 128 else 2)
+    plan = ((num_seqs, num_kv_heads, num_splits), (num_seqs, num_q_heads), num_splits, strides,
+            out_stride, meta, reduce_meta)
+    if len(_DECODE_PLANS) >= 1024:  # batch sizes x layouts seen: bounded all the same
+        _DECODE_PLANS.clear()
+    _DECODE_PLANS[key] = plan
+    return plan
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, num_splits: int | None = None) -> torch.Tensor:
@@ -415,39 +455,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     num_splits: None picks decode_splits(); tests force a value. The launch depends only on
     shapes (see decode_splits), never on the values in seq_lens: safe to capture in a graph."""
-    group = _check_attention_args(q, k_cache, v_cache)
-    out = torch.empty_like(q)
-    num_seqs, num_q_heads, head_dim = q.shape
-    if num_seqs == 0:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        _check_attention_args(q, k_cache, v_cache)
         return out
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if num_splits is None:
-        num_splits = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size,
-                                   q.device)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
+    grid, reduce_grid, num_splits, strides, out_stride, meta, reduce_meta = _decode_plan(
+        q, k_cache, v_cache, block_tables.shape[1], num_splits)
     if num_splits == 1:  # not written (the kernel stores the output), but float32 like the
         part_acc = part_ml = _placeholder(q.device)  # real ones: one compile serves both paths
     else:  # static shapes: fine inside CUDA-graph capture (the graph's pool keeps them)
-        part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+        part_acc = torch.empty((*reduce_grid, num_splits, meta["HEAD_DIM"]), dtype=torch.float32,
                                device=q.device)
-        part_ml = torch.empty((num_seqs, num_q_heads, num_splits, 2), dtype=torch.float32,
-                              device=q.device)
+        part_ml = torch.empty((*reduce_grid, num_splits, 2), dtype=torch.float32, device=q.device)
     with on_device(out):
-        _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens, scale * _LOG2E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            num_splits,
-            GROUP=group, BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=_kv_tile(head_dim),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=4, num_stages=2)
+        _paged_decode_kernel[grid](
+            out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens.contiguous(),
+            scale * _LOG2E, *strides, num_splits, **meta)
         if num_splits > 1:
-            _decode_reduce_kernel[(num_seqs, num_q_heads)](
-                out, part_acc, part_ml, out.stride(0), out.stride(1), num_q_heads, num_splits,
-                MAX_SPLITS=MAX_SPLITS, HEAD_DIM=head_dim, num_warps=4 if head_dim >= 128 else 2)
+            _decode_reduce_kernel[reduce_grid](
+                out, part_acc, part_ml, *out_stride, reduce_grid[1], num_splits, **reduce_meta)
     return out
 
 

@@ -473,16 +473,38 @@ def test_triton_decode_rows_with_no_keys_write_zeros(triton_ops, num_splits):
     assert torch.equal(out[[0, 2]], full[[0, 2]])
 
 
+def test_triton_decode_takes_strided_queries_and_reuses_its_plan(triton_ops):
+    # q as the model makes it, a slice of a fused QKV projection; the launch plan cached for one
+    # shape and layout must not serve another (a contiguous q of the same shape, a smaller batch).
+    case = gqa_case([40, 9, 75], [1, 1, 1], 4, torch.float32, seed=50)
+    qkv = torch.randn(3, 3, *case.q.shape[1:], device=DEVICE)
+    qkv[:, 0] = case.q
+    tables, lens = case.block_tables, case.seq_lens_t
+    expected = ops.paged_decode_attention(case.q, case.k_cache, case.v_cache, tables, lens,
+                                          case.scale, impl="reference")
+    for num_splits in (1, 2):
+        for q in (qkv[:, 0], case.q, qkv[:, 0]):
+            out = triton_ops.paged_decode_attention(q, case.k_cache, case.v_cache, tables, lens,
+                                                    case.scale, num_splits=num_splits)
+            assert out.is_contiguous()
+            assert_close(out, expected, torch.float32)
+        two = triton_ops.paged_decode_attention(qkv[:2, 0], case.k_cache, case.v_cache,
+                                                tables[:2], lens[:2], case.scale,
+                                                num_splits=num_splits)
+        assert_close(two, expected[:2], torch.float32)
+
+
 def test_decode_split_rule_reads_only_static_shapes(triton_ops):
     cpu = torch.device("cpu")   # the rule's default SM count (an H100/H200's) stands in for a GPU
     split = triton_ops.decode_splits
-    # enough programs to fill the SMs twice: no split, however long the contexts may be
-    assert split(64, 8, 1024, 16, cpu) == 1
+    # a program for every SM: no split, however long the contexts may be
+    assert split(32, 8, 1024, 16, cpu) == 1
     # short capacity (table width x block size < 2 shares of MIN_SPLIT_KEYS): no split
     assert split(1, 8, 16, 16, cpu) == 1
-    # one long sequence: as many shares as fill the SMs, at most MAX_SPLITS
+    # one long sequence: as many shares as fill the SMs twice, at most MAX_SPLITS
     assert split(1, 8, 1024, 16, cpu) == triton_ops.MAX_SPLITS
-    assert split(8, 8, 64, 16, cpu) == 2    # 1024 keys of capacity: two shares of 512
+    assert split(8, 8, 64, 16, cpu) == 4    # 1024 keys of capacity: four shares of 256
+    assert split(8, 8, 256, 16, cpu) == 5   # 2 x 132 SMs / 64 programs
     for num_seqs in (1, 2, 8, 32, 256):
         for width in (1, 8, 64, 4096):
             n = split(num_seqs, 8, width, 16, cpu)
