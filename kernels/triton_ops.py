@@ -529,6 +529,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def warm_up_attention(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
+                      block_size: int, device: torch.device | str) -> None:
+    """Launch every attention variant a model of these heads can take, once, on a few tokens, so
+    each compiles now rather than inside a served step: the prefill kernel with the small and the
+    big query tile, and the decode kernel without and with split (its reduce kernel too). A
+    start-up pass whose own batch takes one path only (its prefill averages under one big tile,
+    its decode does not split) leaves the others to the first step that needs them otherwise.
+    Strides keep the divisibility of the server's (multiples of 16 at any head_dim allowed), so the
+    compiled variants are the ones later calls find."""
+    group = num_q_heads // num_kv_heads
+    big_rows = _prefill_tile(head_dim, group, 1 << 20, 1)[0]
+    tokens = max(2, triton.cdiv(big_rows, group))  # one sequence that fills one big tile
+    num_blocks = triton.cdiv(tokens, block_size)
+    with on_device(torch.device(device)):
+        cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
+                            device=device)
+        q = torch.zeros((tokens, num_q_heads, head_dim), dtype=dtype, device=device)
+        table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+        for n in sorted({2, tokens}):   # 2 queries take the small tile, `tokens` the big one
+            qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
+            lens = torch.full((1,), n, dtype=torch.int32, device=device)
+            paged_attention(q[:n], cache[0], cache[1], table, lens, qsl, 1.0, n)
+        for num_splits in (1, 2):
+            paged_decode_attention(q[:1], cache[0], cache[1], table, lens, 1.0, num_splits=num_splits)
+
+
 # --------------------------------------------------------------------------------------------
 # Block copy
 # --------------------------------------------------------------------------------------------

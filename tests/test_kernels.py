@@ -515,6 +515,32 @@ def test_decode_split_rule_reads_only_static_shapes(triton_ops):
     assert triton_ops.describe_launch("prefill", 4096, 1, 32, 8, 64, 256, 16, cpu) == "tile128x64"
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(8, 2, 16), (2, 2, 256)])
+def test_triton_warm_up_launches_every_attention_variant(triton_ops, monkeypatch, num_q_heads,
+                                                         num_kv_heads, head_dim):
+    launches = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(
+                (self.name, kw.get("BLOCK_M"), grid[2] > 1 if len(grid) == 3 else None))
+
+    for name in ("_paged_attention_kernel", "_paged_decode_kernel", "_decode_reduce_kernel"):
+        monkeypatch.setattr(triton_ops, name, Kernel(name))
+    triton_ops.warm_up_attention(torch.float16, head_dim, num_q_heads, num_kv_heads, 16, DEVICE)
+    group = num_q_heads // num_kv_heads
+    small, big = triton_ops._prefill_tile(head_dim, group, 1, 1)[0], 128 if head_dim <= 128 else 64
+    assert sorted(launches, key=str) == sorted([
+        ("_paged_attention_kernel", small, None), ("_paged_attention_kernel", big, None),
+        ("_paged_decode_kernel", None, False), ("_paged_decode_kernel", None, True),
+        ("_decode_reduce_kernel", None, None)], key=str)
+    monkeypatch.undo()   # and the real kernels run it (interpreted), tiny as it is
+    triton_ops.warm_up_attention(torch.float32, 16, 4, 2, 8, DEVICE)
+
+
 def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypatch):
     """Triton launches on the current device; the kvstore holds a pool per rank, so each launch
     must run inside on_device(the tensor it writes). A fake guard and fake kernels check it."""
