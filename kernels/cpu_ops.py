@@ -1,8 +1,9 @@
 """The C++ paged attention for CPU (kernels/csrc/paged_attention_cpu.cpp), built on first use.
 
 This module owns building and loading that kernel and the Python side of its two calls; their
-semantics are kernels/reference.py's, which stays the fallback. The K/V cache write and block copy
-are the reference's (indexed copies, already as fast as a loop in C++ would be).
+semantics are kernels/reference.py's, which stays the fallback. The K/V cache write is here too (a
+row copy per head; one op, so a recorded decode graph replays it whatever the slots); the block copy
+is the reference's (the kvstore copies blocks and must never trigger a build).
 
 Why C++: the reference gathers every sequence's blocks into a contiguous copy each layer each step
 (index_select: 28 % of an offline run) before calling SDPA on it. The kernel reads each block where
@@ -36,7 +37,6 @@ log = logging.getLogger("pagedserve.kernels")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 _NAME = "pagedserve_cpu"
 
-write_kv_cache = reference.write_kv_cache
 copy_blocks = reference.copy_blocks
 
 _lock = threading.Lock()
@@ -129,6 +129,15 @@ _NO_QUERY_STARTS = torch.empty(0, dtype=torch.int32)
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """As reference.write_kv_cache: key, value [T, Hkv, D] into their slots; a negative slot skips."""
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    torch.ops.pagedserve_cpu.write_kv_cache(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                                            slot_mapping.to(device="cpu", dtype=torch.int64).contiguous())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

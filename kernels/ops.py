@@ -1,9 +1,9 @@
 """Paged-attention kernels behind one dispatching API (docs/INTERFACES.md, "kernels/").
 
 Each function takes `impl`: None picks Triton for CUDA tensors; for CPU tensors the attention calls
-pick the C++ kernel (kernels/cpu_ops.py, compiled on first use) and fall back to the PyTorch
-reference where it cannot be built, while the cache write and block copy are the reference's on
-CPU either way (so a kvstore copying blocks never triggers a build). "triton", "cpu" or
+and the cache write pick the C++ kernels (kernels/cpu_ops.py, compiled on first use) and fall back
+to the PyTorch reference where they cannot be built, while the block copy is the reference's on CPU
+either way (so a kvstore copying blocks never triggers a build). "triton", "cpu" or
 "reference" force one. The Triton module is imported only when it is first chosen: importing it
 decorates the kernels, and on a CPU-only machine that must happen after TRITON_INTERPRET=1 is set
 (tests set it) — importing `kernels` alone never touches Triton, nor builds anything.
@@ -26,7 +26,7 @@ _IMPLS = ("triton", "cpu", "reference")
 
 def resolve_impl(tensor: torch.Tensor, impl: str | None, attention: bool = True) -> str:
     """The implementation a call on `tensor` with this `impl` argument runs (`attention`: whether
-    the call is one of the attention kernels, the only ones with a C++ CPU version)."""
+    the call is one the C++ CPU kernels serve: the attention calls and the cache write)."""
     if impl is None:
         if tensor.is_cuda:
             return "triton"
@@ -51,7 +51,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    impl: str | None = None) -> None:
     """key, value: [T, Hkv, D] -> their slots in k_cache, v_cache [N, B, Hkv, D]; slot < 0 skips."""
-    _backend(key, impl, attention=False).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    _backend(key, impl).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -91,7 +91,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     v = _gather_kv(v_cache, block_tables, lens, num_blocks)
     q_pos = (lens - 1)[:, None]  # [S, 1]
     out = _attend(q.float()[:, None], k, v, q_pos, lens, scale)  # [S, 1, Hq, D]
-    return out[:, 0].to(q.dtype)
+    # A row of length 0 is padding (a CUDA graph bucket's spare row): zeros, as every kernel gives.
+    return out[:, 0].masked_fill((lens == 0)[:, None, None], 0.0).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

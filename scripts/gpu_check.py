@@ -163,6 +163,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     py = [sys.executable]
     tests = {"kernels: tests/test_kernels.py compiled": ["tests/test_kernels.py"],
+             "graphs: CUDA graphs decode as eager (tests/test_gpu_graphs.py)": ["tests/test_gpu_graphs.py"],
              "kernels: real sizes (tests/test_gpu_kernels.py)": ["tests/test_gpu_kernels.py"],
              "ipc: pool + events over CUDA IPC, COW/swap bytes": ["tests/test_gpu_ipc.py", "tests/test_cuda_sync.py"]}
     running = {what: (start(py + ["-m", "pytest", "-q", "-p", "no:cacheprovider", *files], env,

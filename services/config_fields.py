@@ -107,6 +107,11 @@ def batching(default: str = "iteration"):
                choices=BATCHING)
 
 
+def enforce_eager():
+    return opt(False, "run every step eagerly: no CUDA graphs for decode (vLLM's --enforce-eager; graphs are "
+                      "only ever captured on CUDA)")
+
+
 def max_num_seqs(default: int = 256):
     return opt(default, "sequences in one step at the most", check=at_least(1))
 

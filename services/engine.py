@@ -21,6 +21,7 @@ from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.services.sampling_params import SamplingParams
 from pagedserve.services.worker.model_loader import (context_length, inspect_model_dir, load_model, load_tokenizer,
                                           serving_dtype)
+from pagedserve.services.worker.cuda_graphs import capture_decode_graphs
 from pagedserve.services.worker.model_runner import ModelRunner
 from pagedserve.services.worker.guides import Guides
 from pagedserve.services.worker.worker_core import WorkerCore
@@ -86,6 +87,7 @@ class Engine:
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
                                   self.dtype, config.device, max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=self.max_model_len)
+        capture_decode_graphs(self.runner, config.max_num_seqs, config.enforce_eager)
         tokenizer = self.tokenizer
         self.guides = Guides(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed, guides=self.guides)

@@ -33,6 +33,7 @@ class EngineConfig:
     seed: int = 0                          # set by code: `generate --seed` seeds the sampling instead
     allocation: str = cf.allocation()
     batching: str = cf.batching()
+    enforce_eager: bool = cf.enforce_eager()
 
     def cross_check(self) -> str | None:
         return (cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)

@@ -61,6 +61,7 @@ class Config(RouterOptions):
                                       aliases=["--prefix-caching"])
     allocation: str = cf.allocation()
     batching: str = cf.batching()
+    enforce_eager: bool = cf.enforce_eager()
     # Supervision and shutdown (services/supervisor.py).
     shutdown_timeout_s: float = cf.shutdown_timeout(10.0)
     hang_timeout_s: float = cf.hang_timeout("seconds of heartbeat silence after which a process counts as stuck "
@@ -147,6 +148,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--profile-seqs", str(cfg.max_num_seqs),
                                              "--torch-threads", str(threads),
                                              *cf.grammar_argv(cfg)]
+                      + (["--enforce-eager"] if cfg.enforce_eager else [])
                       + (["--heartbeat-endpoint", worker_beat] + hang if rank == 0 else [])))
     procs.append(("scheduler", py + ["pagedserve.services.scheduler.service", "--model", model, "--endpoint", sched,
                                      "--kvstore-endpoint", kv, "--worker-endpoint", worker,

@@ -64,6 +64,11 @@ def triton_ops():
 # Building paged caches from contiguous per-sequence K/V
 # ----------------------------------------------------------------------------------------------
 
+def cpu_ops_available() -> bool:
+    from pagedserve.kernels import cpu_ops
+    return cpu_ops.available()
+
+
 def make_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
     """A byte pool as the kvstore holds it, filled with junk; returns (pool, k_cache, v_cache)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -591,10 +596,12 @@ def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypat
 # K/V cache write and block copy
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "cpu"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_cache(request, impl, block_size, dtype):
+    if impl == "cpu" and (DEVICE != "cpu" or not cpu_ops_available()):
+        pytest.skip("the C++ kernels take CPU tensors, and need a compiler")
     if impl == "triton":
         request.getfixturevalue("triton_ops")
     gen = torch.Generator().manual_seed(block_size)
@@ -619,8 +626,10 @@ def test_write_kv_cache(request, impl, block_size, dtype):
     assert not torch.equal(pool, before)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "cpu"])
 def test_write_kv_cache_all_padding(request, impl):
+    if impl == "cpu" and (DEVICE != "cpu" or not cpu_ops_available()):
+        pytest.skip("the C++ kernels take CPU tensors, and need a compiler")
     if impl == "triton":
         request.getfixturevalue("triton_ops")
     gen = torch.Generator().manual_seed(0)

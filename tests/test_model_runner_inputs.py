@@ -46,9 +46,9 @@ def make_runner(**kw) -> ModelRunner:
 
 
 def assert_same(runner: ModelRunner, steps: list[SeqStep]) -> None:
-    ids, positions, meta = runner.prepare(steps)
+    ids, positions, meta, logits_indices = runner.prepare(steps)
     want = listed_prepare(steps, B)
-    got = dict(ids=ids, positions=positions, **vars(meta))
+    got = dict(ids=ids, positions=positions, logits_indices=logits_indices, **vars(meta))
     tables = got.pop("block_tables")
     assert tables.shape == (len(steps), runner.max_blocks) and tables.dtype == torch.int32
     width = want["block_tables"].shape[1]
@@ -103,11 +103,11 @@ def test_rows_stay_with_their_sequences_and_are_freed_when_absent():
     runner = make_runner()
     a, b = SeqStep(7, [1], 0, [3]), SeqStep(9, [1, 2], 0, [4])
     runner.prepare([a, b])
-    assert runner.row_of == {7: 0, 9: 1}
+    assert runner.row_of == {7: 1, 9: 2}
     runner.prepare([SeqStep(9, [3], 2, [4]), SeqStep(7, [2], 1, [3])])   # order changes, rows do not
-    assert runner.row_of == {7: 0, 9: 1}
+    assert runner.row_of == {7: 1, 9: 2}
     assert_same(runner, [SeqStep(11, [5, 6, 7, 8, 9], 0, [1, 2]), SeqStep(7, [2], 1, [3])])
-    assert runner.row_of == {7: 0, 11: 1}
+    assert runner.row_of == {7: 1, 11: 2}
 
 
 def test_a_step_beyond_the_buffers_is_refused():

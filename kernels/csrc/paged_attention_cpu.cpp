@@ -341,7 +341,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // Work items: (sequence, query tile) pairs, each run for every kv head.
   std::vector<int64_t> item_seq, item_tile;
   for (int64_t s = 0; s < g.num_seqs; ++s) {
-    const int64_t q_len = decode ? 1 : qsl[s + 1] - qsl[s];
+    // A decode row of length 0 is padding (a CUDA graph bucket's spare row, services/worker/
+    // cuda_graphs.py): it reads nothing and its output is zeros.
+    const int64_t q_len = decode ? (lens[s] > 0 ? 1 : 0) : qsl[s + 1] - qsl[s];
+    if (decode && q_len == 0) out.select(0, s).zero_();
     TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, " has ", q_len, " queries for ", lens[s], " keys");
     // Every block the kernel will read must be in the pool: a bad table is an error, not a read
     // of some other memory.
@@ -393,7 +396,52 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 }  // namespace
 
+namespace {
+
+// key, value [T, Hkv, D] -> their slots in k_cache, v_cache [N, B, Hkv, D] (same dtype, unit stride
+// on D); slot_mapping [T] int64, a negative slot is padding and skipped. One op with no decision
+// taken on the host, so a recorded decode step (services/worker/cuda_graphs.py) replays it whatever
+// the slots; and a row copy per head instead of the reference's masked index_put.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && k_cache.dim() == 4, "key, value [T, Hkv, D]");
+  TORCH_CHECK(key.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "key, value and the caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must share shape and strides");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key's heads and dims are the cache's");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1, "unit stride on the head dimension");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0), "slot_mapping [T] int64, contiguous");
+  const int64_t T = key.size(0), H = key.size(1), B = k_cache.size(1);
+  const int64_t slots_total = k_cache.size(0) * B;
+  const int64_t bytes = key.size(2) * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t es = key.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slots_total, "token ", t, " has slot ", slot, ", outside the pool of ", slots_total);
+    const int64_t dst = (slot / B) * k_cache.stride(0) + (slot % B) * k_cache.stride(1);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t off = (dst + h * k_cache.stride(2)) * es;
+      std::memcpy(kc + off, kp + (t * key.stride(0) + h * key.stride(1)) * es, bytes);
+      std::memcpy(vc + off, vp + (t * value.stride(0) + h * value.stride(1)) * es, bytes);
+    }
+  }
+}
+
+}  // namespace
+
 TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);

@@ -12,8 +12,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [S, max_blocks] int32: logical -> physical block per sequence
     seq_lens: torch.Tensor         # [S] int32: KV length of each sequence after this step
     query_start_loc: torch.Tensor  # [S+1] int32: cumulative new-token counts (ragged batch)
-    max_query_len: int
-    logits_indices: torch.Tensor   # [R] int64: rows of the hidden states whose logits are wanted
+    max_query_len: int             # 1: a decode step (the decode kernel; a graph may serve it)
 
     @property
     def decode_only(self) -> bool:

@@ -13,10 +13,12 @@ import torch
 
 from pagedserve.services.steps import SeqStep  # noqa: F401  (re-exported: the worker's callers import it here)
 from pagedserve.services.worker.attn_metadata import AttentionMetadata
+from pagedserve.services.worker.cuda_graphs import DecodeGraphs, StepShape
 from pagedserve.services.worker.model_loader import ModelSpec
 
 
 PROMPT_LOGPROB_ROWS = 128   # prompt positions scored per lm_head call
+PAD_ROW = 0                 # the block-table row of padded tokens: blocks -1, nothing read or written
 
 
 def kv_cache_views(pool_blocks: torch.Tensor, spec: ModelSpec, block_size: int, dtype: torch.dtype,
@@ -51,6 +53,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = kv_cache_views(pool_blocks, spec, block_size, dtype, tp_size)
+        self.graphs = DecodeGraphs()   # none until capture_graphs: every step eager
         self._init_step_buffers(max_num_batched_tokens, max_num_batched_tokens,
                                 cdiv(max_model_len or spec.max_model_len, block_size) + 1)
 
@@ -60,22 +63,25 @@ class ModelRunner:
         """One host buffer (pinned on CUDA) holds every input of a step at fixed offsets; its device
         twin takes it in one copy (on CPU the host buffer is the device's). Fields, int64: ids,
         positions, table row of each token [T]; logits rows, table row of each sequence [S]; int32:
-        seq lens [S], query starts [S+1], block table [S, width]. A sequence keeps its table row while
-        it is in every step, and the row is rewritten only when its table changed."""
+        seq lens [S], query starts [S+1], block table [S+1, width]. A sequence keeps its table row
+        while it is in every step, and the row is rewritten only when its table changed. Row 0 is
+        the padding row of decode graphs (cuda_graphs.py): its blocks are -1, so a padded token's
+        slot is negative (written nowhere) and, with length 0, nothing is read through it."""
         S, T, W = max_seqs, max_tokens, width
         self.max_seqs, self.max_tokens, self.max_blocks = S, T, W
         self.n64 = 3 * T + 2 * S
         self.table_offset = 8 * self.n64 + 4 * (2 * S + 1)          # bytes before the block table
-        nbytes = self.table_offset + 4 * S * W
+        nbytes = self.table_offset + 4 * (S + 1) * W
         cuda = self.device.type == "cuda"
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if cuda else self.host
         self.h = self._fields(self.host, numpy=True)
+        self.h.table[PAD_ROW] = -1
+        self.dev = self.host.to(self.device) if cuda else self.host
         self.d = self._fields(self.dev)
         self.copied = torch.cuda.Event() if cuda else None   # the last copy out of self.host
         self.row_of: dict[int, int] = {}                     # seq id -> its table row
-        self.free_rows = list(range(S))                      # a heap: rows in use stay low
-        self.written: list[list[int]] = [[] for _ in range(S)]   # each row's table as last written
+        self.free_rows = list(range(1, S + 1))               # a heap: rows in use stay low
+        self.written: list[list[int]] = [[] for _ in range(S + 1)]   # each row's table as last written
 
     def _fields(self, buf: torch.Tensor, numpy: bool = False) -> SimpleNamespace:
         S, T = self.max_seqs, self.max_tokens
@@ -84,7 +90,7 @@ class ModelRunner:
         f = SimpleNamespace(ids=i64[:T], positions=i64[T:2 * T], token_rows=i64[2 * T:3 * T],
                             logits=i64[3 * T:3 * T + S], rows=i64[3 * T + S:],
                             seq_lens=i32[:S], qsl=i32[S:2 * S + 1],
-                            table=i32[2 * S + 1:].view(S, self.max_blocks))
+                            table=i32[2 * S + 1:].view(S + 1, self.max_blocks))
         return SimpleNamespace(**{k: v.numpy() for k, v in vars(f).items()}) if numpy else f
 
     def _row(self, s: SeqStep) -> int:
@@ -102,12 +108,12 @@ class ModelRunner:
             self.written[row] = list(table)
         return row
 
-    def prepare(self, steps: list[SeqStep]):
-        """Flatten the ragged batch into the step buffers -> ids/positions [T] and the metadata:
-        slot mapping [T] (computed on the device from positions and the table), block tables
-        [S, max_blocks], seq lens [S], query starts [S+1], logits rows [R]. The tensors are views of
-        the buffers: valid until the next prepare."""
-        B, h, d = self.block_size, self.h, self.d
+    def fill(self, steps: list[SeqStep]) -> StepShape:
+        """Flatten the ragged batch into the step buffers and start their copy to the device.
+
+        A decode step (one token per sequence) that a captured graph serves is padded to the
+        graph's batch: spare rows of length 0 whose token goes to no slot."""
+        B, h = self.block_size, self.h
         S = len(steps)
         if S > self.max_seqs:
             raise ValueError(f"{S} sequences in a step, the runner holds {self.max_seqs} "
@@ -133,20 +139,42 @@ class ModelRunner:
         if T > self.max_tokens:
             raise ValueError(f"{T} tokens in a step, the runner holds {self.max_tokens} "
                              f"(max_num_batched_tokens)")
-        q_lens_np, starts_np = np.array(q_lens), np.array(starts)
-        qsl = h.qsl[:S + 1]
+        max_query_len = max(q_lens)
+        graph = self.graphs.find(S) if max_query_len == 1 else None
+        return self._write(ids, starts, q_lens, rows, wants, graph or S, graph)
+
+    def fill_padding(self, num_seqs: int) -> StepShape:
+        """A decode step of padding rows only: what a graph is captured on (it writes nowhere)."""
+        return self._write([], [], [], [], [], num_seqs, num_seqs)
+
+    def _write(self, ids: list[int], starts: list[int], q_lens: list[int], rows: list[int],
+               wants: list[bool], n: int, graph: int | None) -> StepShape:
+        """The host buffers for a step of these sequences, padded to n rows of one token each."""
+        h, S, T = self.h, len(rows), len(ids)
+        pad = n - S
+        q_lens_np, starts_np = np.array(q_lens + [1] * pad), np.array(starts + [0] * pad)
+        qsl = h.qsl[:n + 1]
         np.cumsum(q_lens_np, out=qsl[1:])
-        h.seq_lens[:S] = starts_np + q_lens_np
+        h.seq_lens[:n] = starts_np + q_lens_np
+        h.seq_lens[S:n] = 0
         h.ids[:T] = ids
-        h.positions[:T] = np.arange(T) + np.repeat(starts_np - qsl[:-1], q_lens_np)
-        h.token_rows[:T] = np.repeat(rows, q_lens_np)
-        h.rows[:S] = rows
+        h.ids[T:T + pad] = 0
+        h.positions[:T + pad] = np.arange(T + pad) + np.repeat(starts_np - qsl[:-1], q_lens_np)
+        h.token_rows[:T + pad] = np.repeat(rows + [PAD_ROW] * pad, q_lens_np)
+        h.rows[:n] = rows + [PAD_ROW] * pad
         R = sum(wants)
-        h.logits[:R] = qsl[1:][np.array(wants, dtype=bool)] - 1
+        h.logits[:R] = qsl[1:S + 1][np.array(wants, dtype=bool)] - 1
         if self.copied is not None:   # up to the last table row in use
-            n = self.table_offset + 4 * self.max_blocks * (max(rows) + 1)
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            end = self.table_offset + 4 * self.max_blocks * (max(rows, default=PAD_ROW) + 1)
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
             self.copied.record()
+        return StepShape(T + pad, n, max(q_lens, default=1), R, graph)
+
+    def inputs(self, shape: StepShape):
+        """The device's view of the filled buffers -> ids/positions [T] and the metadata: slot
+        mapping [T] (computed on the device from positions and the table), block tables
+        [S, max_blocks], seq lens [S], query starts [S+1]. Only device ops: a graph captures them."""
+        T, S, B, d = shape.num_tokens, shape.num_seqs, self.block_size, self.d
         positions = d.positions[:T]
         slot_mapping = (d.table.view(-1)[d.token_rows[:T] * self.max_blocks + positions // B] * B
                         + positions % B)
@@ -155,10 +183,25 @@ class ModelRunner:
             block_tables=d.table.index_select(0, d.rows[:S]),
             seq_lens=d.seq_lens[:S],
             query_start_loc=d.qsl[:S + 1],
-            max_query_len=max(q_lens),
-            logits_indices=d.logits[:R],
+            max_query_len=shape.max_query_len,
         )
         return d.ids[:T], positions, meta
+
+    def prepare(self, steps: list[SeqStep]):
+        """fill + inputs, and the logits rows [R]: the step's tensors, views of the buffers valid
+        until the next step."""
+        shape = self.fill(steps)
+        return (*self.inputs(shape), self.d.logits[:shape.num_logits])
+
+    def forward(self, shape: StepShape) -> torch.Tensor:
+        """The model on the filled buffers -> hidden [T, hidden]: the function a decode graph captures."""
+        ids, positions, meta = self.inputs(shape)
+        return self.model(ids, positions, self.kv_caches, meta)
+
+    def capture_graphs(self, max_num_seqs: int, capture) -> dict:
+        """Capture the decode graphs (CudaGraphs.capture says how) for up to max_num_seqs sequences
+        (the scheduler's --max-num-seqs) -> what it cost, for the log and the pool sizing."""
+        return self.graphs.capture(self, max_num_seqs, capture)
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], compute_logits: bool = True,
@@ -169,8 +212,8 @@ class ModelRunner:
         prompt_logprobs dict given (see prompt_logprob_entries).
         compute_logits=False (tensor-parallel ranks > 0, which do not sample) only writes the KV
         cache and takes part in the collectives; it returns None."""
-        input_ids, positions, meta = self.prepare(steps)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)   # [T, hidden]
+        shape = self.fill(steps)
+        hidden = self.graphs.replay(shape) if shape.graph else self.forward(shape)   # [T, hidden]
         if not compute_logits:
             return None
         if prompt_logprobs is not None:
@@ -180,7 +223,7 @@ class ModelRunner:
                     prompt_logprobs[s.seq_id] = [s.start_pos, self.prompt_logprob_entries(
                         hidden[start:start + len(s.token_ids)], s)]
                 start += len(s.token_ids)
-        return self.model.compute_logits(hidden[meta.logits_indices])
+        return self.model.compute_logits(hidden[self.d.logits[:shape.num_logits]])
 
     def prompt_logprob_entries(self, hidden: torch.Tensor, step: SeqStep) -> list[list]:
         """hidden [n, H] of the chunk's tokens -> per token that has a successor in the prompt,
@@ -204,5 +247,7 @@ class ModelRunner:
         return out
 
     def close(self) -> None:
-        """Drop the views of the pool (before the pool's mapping is closed: touching them would segfault)."""
+        """Drop the graphs and the views of the pool (before the pool's mapping is closed: touching
+        them would segfault)."""
+        self.graphs = DecodeGraphs()
         self.kv_caches = []

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.kernels.device import on_device
 from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.worker.cuda_graphs import capture_decode_graphs
 from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
 from pagedserve.services.worker.worker_core import SampleRequest, WorkerCore
 
@@ -75,9 +76,11 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int):
 
 def warm_up_and_profile(model: torch.nn.Module, spec, dtype: torch.dtype, device: str, block_size: int,
                         tp_size: int, num_tokens: int, num_seqs: int, samples: bool,
-                        memory=None) -> int:
+                        memory=None, enforce_eager: bool = True) -> int:
     """Run the profile batch -> activation bytes its steps need on top of what stays allocated
-    (0 on CPU). `samples`: this rank samples (rank 0)."""
+    (0 on CPU), plus what the decode graphs keep when they will be captured (not enforce_eager,
+    on CUDA: captured here once on the scratch pool to measure them). `samples`: this rank samples
+    (rank 0)."""
     memory = memory or (CudaMemory(device) if torch.device(device).type == "cuda" else NoMemory())
     num_blocks, prefill, decode = profile_batch(num_tokens, num_seqs, block_size)
     with on_device(device):
@@ -96,6 +99,8 @@ def warm_up_and_profile(model: torch.nn.Module, spec, dtype: torch.dtype, device
             wanted = [[SampleRequest(s.seq_id, PROFILE_PARAMS, s.token_ids, [])] for s in steps]
             core.execute(steps, wanted)
         reserve = max(0, memory.peak() - before)
+        graphs = capture_decode_graphs(runner, num_seqs, enforce_eager, tp_size)
+        reserve += graphs["bytes"] if graphs else 0
     finally:
         runner.close()
         del scratch, runner, core

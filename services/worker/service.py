@@ -49,6 +49,7 @@ from pagedserve.services.heartbeat import Heartbeat
 from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
 from pagedserve.services.process import answer_requests, on_stop_signals, service_main
 from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
+from pagedserve.services.worker.cuda_graphs import capture_decode_graphs
 from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
 from pagedserve.services.worker.profile import warm_up_and_profile
 from pagedserve.services.guided.cache import CompileCache
@@ -92,6 +93,7 @@ class Config(cf.GrammarOptions):
                                     "--max-num-batched-tokens)", check=at_least(1))
     profile_seqs: int = opt(256, "sequences of the start-up profiling step (the scheduler's --max-num-seqs)",
                             check=at_least(1))
+    enforce_eager: bool = cf.enforce_eager()
     torch_threads: int = opt(0, "torch threads (0: torch's default)", check=at_least(0))
     seed: int = cf.seed()
     log_level: str = cf.log_level()
@@ -333,7 +335,7 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
         # batch costs seconds per start: a small one still proves the model runs before "ready".
         tokens, seqs = min(tokens, 32), min(seqs, 2)
     reserve = warm_up_and_profile(model, spec, dtype, device, config.block_size, config.tp_size,
-                                  tokens, seqs, samples=config.rank == 0)
+                                  tokens, seqs, samples=config.rank == 0, enforce_eager=config.enforce_eager)
     if info is None:   # the kvstore sizes its pools after every rank's profile
         info = report_and_wait(config, reserve)
     if want != info.block_bytes:
@@ -351,6 +353,7 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
                            f"{device}: give the kvstore and the worker the same GPU")
     runner = ModelRunner(model, spec, pool.blocks, config.block_size, dtype, device, config.tp_size,
                          max_num_batched_tokens=config.profile_tokens)
+    capture_decode_graphs(runner, config.profile_seqs, config.enforce_eager, config.tp_size)
     core = None
     if config.rank == 0:
         guides = Guides(functools.partial(load_tokenizer, config.model), spec.vocab_size, spec.eos_token_ids,
