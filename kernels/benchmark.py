@@ -29,8 +29,10 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import ops
 
-BATCH_SIZES = {"cuda": (8, 32), "cpu": (8, 32, 64)}
-CONTEXT_LENS = {"cuda": (64, 128, 256, 1024), "cpu": (64, 256, 1024, 2048)}
+# CUDA: batch 1 and context 4096 show the split-KV decode path (few sequences x kv heads, long
+# contexts); 8/32 x 64-1024 are the cells of the 2026-12-04 H200 baseline.
+BATCH_SIZES = {"cuda": (1, 8, 32), "cpu": (8, 32, 64)}
+CONTEXT_LENS = {"cuda": (64, 128, 256, 1024, 4096), "cpu": (64, 256, 1024, 2048)}
 PREFILL_CASES = {"cuda": ((1, 4096), (4, 1024), (16, 256)), "cpu": ((1, 256), (4, 64))}  # (batch, context)
 PREFIX_QUERIES = 16  # new tokens per sequence in a "prefix" cell, over context - 16 cached ones
 KINDS = ("decode", "prefill", "prefix")
@@ -131,6 +133,20 @@ def _cell(kind: str, batch: int, context: int, block_size: int, shape: Shape, dt
     return calls
 
 
+def _path(kind: str, batch: int, context: int, block_size: int, shape: Shape, impl: str,
+          device: str) -> str:
+    """The kernel path a cell takes: on Triton, triton_ops.describe_launch ("decode", "split<n>":
+    flash-decoding in n shares, "tile<M>x<N>": prefill tile of M query rows x N keys); elsewhere the
+    implementation's name."""
+    if impl != "triton":
+        return impl
+    from pagedserve.kernels import triton_ops   # CUDA here: no interpreter to set up first
+    num_q = 1 if kind == "decode" else (context if kind == "prefill" else min(PREFIX_QUERIES, context))
+    return triton_ops.describe_launch(kind, batch * num_q, batch, shape.num_q_heads,
+                                      shape.num_kv_heads, shape.head_dim, -(-context // block_size),
+                                      block_size, torch.device(device))
+
+
 def run(block_size: int, dtype: torch.dtype, repeats: int, device: str,
         cases: list[tuple[str, int, int]] | None = None) -> list[dict]:
     shape = CUDA_SHAPE if device == "cuda" else CPU_SHAPE
@@ -145,7 +161,8 @@ def run(block_size: int, dtype: torch.dtype, repeats: int, device: str,
           f"prefix_queries={PREFIX_QUERIES}")
     with_reference = device == "cpu" and impl != "reference"
     print(f"{'kind':>7} {'batch':>5} {'context':>7} {'paged ms':>9} {'contig ms':>9} {'ratio':>6} "
-          f"{'max|diff|':>9}" + (f" {'ref ms':>9} {'ref/contig':>10}" if with_reference else ""))
+          f"{'max|diff|':>9}" + (f" {'ref ms':>9} {'ref/contig':>10}" if with_reference else "")
+          + f" {'path':>10}")
     rows = []
     for kind, batch, context in cases if cases is not None else default_cases(device):
         calls = _cell(kind, batch, context, block_size, shape, dtype, device, gen)
@@ -157,13 +174,15 @@ def run(block_size: int, dtype: torch.dtype, repeats: int, device: str,
             for name, fn in calls.items():
                 times[name].append(timed(fn, inner))
         row = {"kind": kind, "batch": batch, "context": context, "paged_ms": statistics.median(times["paged"]),
-               "contiguous_ms": statistics.median(times["contiguous"]), "max_abs_diff": diff}
+               "contiguous_ms": statistics.median(times["contiguous"]), "max_abs_diff": diff,
+               "path": _path(kind, batch, context, block_size, shape, impl, device)}
         row["ratio"] = row["paged_ms"] / row["contiguous_ms"]
         line = (f"{kind:>7} {batch:>5} {context:>7} {row['paged_ms']:>9.3f} {row['contiguous_ms']:>9.3f} "
                 f"{row['ratio']:>6.2f} {diff:>9.1e}")
         if "reference" in times:
             row["reference_ms"] = statistics.median(times["reference"])
             line += f" {row['reference_ms']:>9.3f} {row['reference_ms'] / row['contiguous_ms']:>10.2f}"
+        line += f" {row['path']:>10}"
         rows.append(row)
         print(line, flush=True)
     return rows

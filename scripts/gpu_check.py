@@ -121,7 +121,9 @@ def benchmark_rows(code, seconds: float, out: Path, log: Path) -> list[dict]:
              "ok": all(r["max_abs_diff"] < 2e-2 for r in data["rows"]), "figure": f"{seconds:.0f} s"}]
     for kind in ("decode", "prefill", "prefix"):
         cells = [r for r in data["rows"] if r["kind"] == kind]
-        ratios = ", ".join(f"{r['batch']}x{r['context']}: {r['ratio']:.2f}" for r in cells)
+        # the kernel path of each cell (e.g. split16, tile128x64) when the benchmark names one
+        ratios = ", ".join(f"{r['batch']}x{r['context']}: {r['ratio']:.2f}"
+                           + (f" {r['path']}" if r.get("path") else "") for r in cells)
         rows.append({"section": "benchmark", "check": f"{kind} paged / contiguous SDPA time "
                      f"({data['dtype']}, block {data['block_size']}; goal <= 1.10)", "ok": None, "figure": ratios})
     return rows

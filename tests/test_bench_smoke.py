@@ -110,7 +110,9 @@ def test_kernel_benchmark_quick_prints_every_cell(capsys, tmp_path):
             if line.split()[:1] in (["decode"], ["prefill"], ["prefix"])]
     cells = [(kind, b, c) for kind in benchmark.KINDS for b in ("2", "8") for c in ("17", "64")]
     assert [tuple(r[:3]) for r in rows] == cells
-    assert all(len(r) == 9 for r in rows)   # on CPU the reference is a third column
+    assert all(len(r) == 10 for r in rows)   # on CPU the reference is a third column
+    assert {r[-1] for r in rows} <= {"cpu", "reference"}   # the path column: the CPU's kernel
     saved = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert [(r["kind"], str(r["batch"]), str(r["context"])) for r in saved] == cells
-    assert all(r["max_abs_diff"] < 1e-3 for r in saved)   # the paged side computes the same attention
+    assert all(r["max_abs_diff"] < 1e-3 for r in saved)
+    assert all(r["path"] in ("cpu", "reference") for r in saved)   # the paged side computes the same attention

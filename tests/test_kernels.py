@@ -389,6 +389,170 @@ def test_triton_kv_tiles_smaller_than_a_block(triton_ops, block_size, head_dim):
     assert_close(decode.paged("triton"), decode.contiguous(), torch.float32)
 
 
+# FlashAttention-2 query tiles, split-KV decode, empty rows (issue 30, item 5). Small heads keep
+# the interpreter fast; the tile rules are checked to pick the path each test means to cover.
+# Every group and both dtypes, without the whole cross product (the interpreter is slow).
+GROUP_DTYPES = [(1, torch.float32), (4, torch.bfloat16), (8, torch.float32)]
+
+
+def assert_triton_close(actual, expected, dtype):
+    """assert_close, but bf16 at tests/test_gpu_kernels.py's tolerance (2e-2): the kernels round
+    the probabilities to bf16 for the P.V product (as FlashAttention-2 and vLLM do, to stay on the
+    tensor cores), ~1e-3 absolute beyond the one final rounding the CPU kernel's 1e-5 allows."""
+    if dtype != torch.bfloat16:
+        return assert_close(actual, expected, dtype)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def gqa_case(seq_lens, q_lens, group, dtype, seed, head_dim=16, block_size=16, **kw):
+    return PagedCase(seq_lens=seq_lens, q_lens=q_lens, block_size=block_size,
+                     num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+                     seed=seed, **kw)
+
+
+@pytest.mark.parametrize("group,dtype", GROUP_DTYPES)
+@pytest.mark.parametrize("prefix", [0, 45])
+def test_triton_long_prefill_big_query_tiles(triton_ops, group, dtype, prefix):
+    # One 270-token prompt (over a cached prefix of 45 tokens, ending mid-block, or none): several
+    # big query tiles, the last one partial, whole K/V tiles before the diagonal and a diagonal
+    # that straddles K/V tiles.
+    case = gqa_case([270 + prefix], [270], group, dtype, seed=group + prefix)
+    rows, keys, _ = triton_ops._prefill_tile(16, group, 270, 1)
+    assert rows == 128 and 270 // (rows // group) >= 2   # the big tile, several of them
+    out = case.paged("triton")
+    assert_triton_close(out, case.paged("reference"), dtype)
+    if dtype == torch.float32:
+        assert_triton_close(out, case.contiguous(), dtype)
+
+
+@pytest.mark.parametrize("group,dtype", GROUP_DTYPES)
+def test_triton_ragged_mixed_batch_both_tiles(triton_ops, group, dtype):
+    # A prompt-heavy batch (big tiles; decode rows and a chunk inside it) and a decode-heavy one
+    # (small tiles), each with a prefix-cache hit shared between tables.
+    big = gqa_case([350, 9, 60], [330, 1, 60], group, dtype, seed=group, shared_blocks=2)
+    assert triton_ops._prefill_tile(16, group, 391, 3)[0] == 128
+    small = gqa_case([70, 33, 9, 50, 66], [1, 1, 1, 20, 1], group, dtype, seed=group + 10)
+    assert triton_ops._prefill_tile(16, group, 24, 5)[0] == max(16, group)
+    for case in (big, small):
+        out = case.paged("triton")
+        assert_triton_close(out, case.paged("reference"), dtype)
+        if dtype == torch.float32:
+            assert_triton_close(out, case.contiguous(), dtype)
+
+
+def test_triton_big_tile_wide_heads_and_uneven_group(triton_ops):
+    # head_dim 256 takes the 64-row tile with 32 keys; 3 query heads per kv head leave rows of
+    # every tile idle (128 // 3 = 42 tokens, 126 rows).
+    wide = PagedCase(seq_lens=[90], q_lens=[70], block_size=16, num_q_heads=4, num_kv_heads=2,
+                     head_dim=256, dtype=torch.float32, seed=21)
+    assert triton_ops._prefill_tile(256, 2, 70, 1)[:2] == (64, 32)
+    assert_triton_close(wide.paged("triton"), wide.contiguous(), torch.float32)
+    uneven = PagedCase(seq_lens=[130, 20], q_lens=[100, 20], block_size=8, num_q_heads=6,
+                       num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=22)
+    assert triton_ops._prefill_tile(16, 3, 120, 2)[0] == 128
+    assert_triton_close(uneven.paged("triton"), uneven.contiguous(), torch.float32)
+
+
+@pytest.mark.parametrize("group,dtype", GROUP_DTYPES)
+def test_triton_split_decode_matches_no_split(triton_ops, group, dtype):
+    # Contexts of 1 key, a partial tile, several tiles; 3 shares (uneven), and 16 shares, more
+    # than most of these contexts have tiles (empty shares must weigh nothing).
+    seq_lens = [1, 17, 200]
+    case = gqa_case(seq_lens, [1] * len(seq_lens), group, dtype, seed=30 + group)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale)
+    expected = ops.paged_decode_attention(*args, impl="reference")
+    whole = triton_ops.paged_decode_attention(*args, num_splits=1)
+    assert_triton_close(whole, expected, dtype)
+    for num_splits in (3, triton_ops.MAX_SPLITS):
+        assert_triton_close(triton_ops.paged_decode_attention(*args, num_splits=num_splits), expected, dtype)
+    if dtype == torch.float32:
+        assert_triton_close(whole, case.contiguous(), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_decode_rows_with_no_keys_write_zeros(triton_ops, num_splits):
+    # A CUDA-graph bucket pads its batch with rows of seq_len 0: they must come out as zeros
+    # (not 0/0 = NaN), and leave the other rows alone.
+    case = gqa_case([40, 9, 75], [1, 1, 1], 4, torch.float32, seed=40)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables)
+    full = triton_ops.paged_decode_attention(*args, case.seq_lens_t, case.scale,
+                                             num_splits=num_splits)
+    padded_lens = case.seq_lens_t.clone()
+    padded_lens[1] = 0
+    out = triton_ops.paged_decode_attention(*args, padded_lens, case.scale, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[[0, 2]], full[[0, 2]])
+
+
+def test_triton_decode_takes_strided_queries_and_reuses_its_plan(triton_ops):
+    # q as the model makes it, a slice of a fused QKV projection; the launch plan cached for one
+    # shape and layout must not serve another (a contiguous q of the same shape, a smaller batch).
+    case = gqa_case([40, 9, 75], [1, 1, 1], 4, torch.float32, seed=50)
+    qkv = torch.randn(3, 3, *case.q.shape[1:], device=DEVICE)
+    qkv[:, 0] = case.q
+    tables, lens = case.block_tables, case.seq_lens_t
+    expected = ops.paged_decode_attention(case.q, case.k_cache, case.v_cache, tables, lens,
+                                          case.scale, impl="reference")
+    for num_splits in (1, 2):
+        for q in (qkv[:, 0], case.q, qkv[:, 0]):
+            out = triton_ops.paged_decode_attention(q, case.k_cache, case.v_cache, tables, lens,
+                                                    case.scale, num_splits=num_splits)
+            assert out.is_contiguous()
+            assert_close(out, expected, torch.float32)
+        two = triton_ops.paged_decode_attention(qkv[:2, 0], case.k_cache, case.v_cache,
+                                                tables[:2], lens[:2], case.scale,
+                                                num_splits=num_splits)
+        assert_close(two, expected[:2], torch.float32)
+
+
+def test_decode_split_rule_reads_only_static_shapes(triton_ops):
+    cpu = torch.device("cpu")   # the rule's default SM count (an H100/H200's) stands in for a GPU
+    split = triton_ops.decode_splits
+    # a program for every SM: no split, however long the contexts may be
+    assert split(32, 8, 1024, 16, cpu) == 1
+    # short capacity (table width x block size < 2 shares of MIN_SPLIT_KEYS): no split
+    assert split(1, 8, 16, 16, cpu) == 1
+    # one long sequence: as many shares as fill the SMs twice, at most MAX_SPLITS
+    assert split(1, 8, 1024, 16, cpu) == triton_ops.MAX_SPLITS
+    assert split(8, 8, 64, 16, cpu) == 4    # 1024 keys of capacity: four shares of 256
+    assert split(8, 8, 256, 16, cpu) == 5   # 2 x 132 SMs / 64 programs
+    for num_seqs in (1, 2, 8, 32, 256):
+        for width in (1, 8, 64, 4096):
+            n = split(num_seqs, 8, width, 16, cpu)
+            assert 1 <= n <= triton_ops.MAX_SPLITS
+            assert n == 1 or width * 16 >= n * triton_ops.MIN_SPLIT_KEYS
+    # paged_decode_attention picks it from the table's width, whatever seq_lens hold
+    assert triton_ops.describe_launch("decode", 1, 1, 32, 8, 64, 1024, 16, cpu) == "split16"
+    assert triton_ops.describe_launch("prefill", 4096, 1, 32, 8, 64, 256, 16, cpu) == "tile128x64"
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(8, 2, 16), (2, 2, 256)])
+def test_triton_warm_up_launches_every_attention_variant(triton_ops, monkeypatch, num_q_heads,
+                                                         num_kv_heads, head_dim):
+    launches = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(
+                (self.name, kw.get("BLOCK_M"), grid[2] > 1 if len(grid) == 3 else None))
+
+    for name in ("_paged_attention_kernel", "_paged_decode_kernel", "_decode_reduce_kernel"):
+        monkeypatch.setattr(triton_ops, name, Kernel(name))
+    triton_ops.warm_up_attention(torch.float16, head_dim, num_q_heads, num_kv_heads, 16, DEVICE)
+    group = num_q_heads // num_kv_heads
+    small, big = triton_ops._prefill_tile(head_dim, group, 1, 1)[0], 128 if head_dim <= 128 else 64
+    assert sorted(launches, key=str) == sorted([
+        ("_paged_attention_kernel", small, None), ("_paged_attention_kernel", big, None),
+        ("_paged_decode_kernel", None, False), ("_paged_decode_kernel", None, True),
+        ("_decode_reduce_kernel", None, None)], key=str)
+    monkeypatch.undo()   # and the real kernels run it (interpreted), tiny as it is
+    triton_ops.warm_up_attention(torch.float32, 16, 4, 2, 8, DEVICE)
+
+
 def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypatch):
     """Triton launches on the current device; the kvstore holds a pool per rank, so each launch
     must run inside on_device(the tensor it writes). A fake guard and fake kernels check it."""
@@ -411,7 +575,7 @@ def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypat
 
     monkeypatch.setattr(triton_ops, "on_device", guard)
     for name in ("_write_kv_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
-                 "_copy_blocks_kernel"):
+                 "_decode_reduce_kernel", "_copy_blocks_kernel"):
         monkeypatch.setattr(triton_ops, name, Kernel(name))
     case = PagedCase(seq_lens=[5, 9], q_lens=[5, 1], block_size=8, num_q_heads=2, num_kv_heads=2,
                      head_dim=16, dtype=torch.float32)
@@ -421,10 +585,14 @@ def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypat
                                      case.seq_lens_t, case.query_start_loc, case.scale, 5)
     triton_ops.paged_decode_attention(case.q[:2], case.k_cache, case.v_cache, case.block_tables,
                                       case.seq_lens_t, case.scale)
+    triton_ops.paged_decode_attention(case.q[:2], case.k_cache, case.v_cache, case.block_tables,
+                                      case.seq_lens_t, case.scale, num_splits=2)
     triton_ops.copy_blocks(case.pool, torch.tensor([0]), torch.tensor([1]))
-    assert [name for name, _ in launches] == ["_write_kv_kernel", "_paged_attention_kernel",
-                                              "_paged_decode_kernel", "_copy_blocks_kernel"]
-    written = [case.k_cache, out, None, case.pool]   # the decode output is made inside the call
+    assert [name for name, _ in launches] == [
+        "_write_kv_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
+        "_paged_decode_kernel", "_decode_reduce_kernel", "_copy_blocks_kernel"]
+    # the decode outputs are made inside the calls
+    written = [case.k_cache, out, None, None, None, case.pool]
     for (name, tensor), expected in zip(launches, written):
         assert tensor is not None, f"{name} launched outside any device guard"
         if expected is not None:
