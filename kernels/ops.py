@@ -19,7 +19,7 @@ import torch
 from pagedserve.kernels import cpu_ops, reference
 
 __all__ = ["write_kv_cache", "paged_attention", "paged_decode_attention", "copy_blocks",
-           "resolve_impl"]
+           "resolve_impl", "warm_up"]
 
 _IMPLS = ("triton", "cpu", "reference")
 
@@ -75,3 +75,12 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                 impl: str | None = None) -> None:
     """pool[dst[i]] = pool[src[i]] for pool [num_blocks, ...], src/dst [N] int64."""
     _backend(pool, impl, attention=False).copy_blocks(pool, src, dst)
+
+
+def warm_up(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int,
+            device: torch.device | str) -> None:
+    """CUDA: compile every attention variant a model of these heads can take, now rather than in a
+    served step (triton_ops.warm_up_attention); nothing elsewhere (the C++ kernel is built once)."""
+    if torch.device(device).type == "cuda":
+        importlib.import_module("pagedserve.kernels.triton_ops").warm_up_attention(
+            dtype, head_dim, num_q_heads, num_kv_heads, block_size, device)

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 
+from pagedserve.kernels import ops
 from pagedserve.kvstore.allocator import make_policy
 from pagedserve.kvstore.pool import BlockPool, unique_pool_name
 from pagedserve.kvstore.store import BlockStore
@@ -87,6 +88,9 @@ class Engine:
         self.runner = ModelRunner(self.model, spec, self.device_pool.blocks, config.block_size,
                                   self.dtype, config.device, max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=self.max_model_len)
+        # CUDA: every attention kernel compiles now, and the decode graphs are captured.
+        ops.warm_up(self.dtype, spec.head_dim, spec.num_attention_heads or spec.num_kv_heads,
+                    spec.num_kv_heads, config.block_size, config.device)
         capture_decode_graphs(self.runner, config.max_num_seqs, config.enforce_eager)
         tokenizer = self.tokenizer
         self.guides = Guides(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)

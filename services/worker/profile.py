@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import ops
 from pagedserve.kernels.device import on_device
 from pagedserve.services.sampling_params import SamplingParams
 from pagedserve.services.worker.cuda_graphs import capture_decode_graphs
@@ -82,6 +83,8 @@ def warm_up_and_profile(model: torch.nn.Module, spec, dtype: torch.dtype, device
     on CUDA: captured here once on the scratch pool to measure them). `samples`: this rank samples
     (rank 0)."""
     memory = memory or (CudaMemory(device) if torch.device(device).type == "cuda" else NoMemory())
+    q_heads = (spec.num_attention_heads or spec.num_kv_heads) // tp_size    # this rank's
+    ops.warm_up(dtype, spec.head_dim, q_heads, spec.kv_heads_per_rank(tp_size), block_size, device)
     num_blocks, prefill, decode = profile_batch(num_tokens, num_seqs, block_size)
     with on_device(device):
         scratch = torch.zeros((num_blocks, spec.block_bytes(block_size, dtype, tp_size)),
