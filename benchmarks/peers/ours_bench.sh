@@ -4,23 +4,23 @@
 # (from the peer venv) against it, save the figures, stop the stack by its process group.
 #
 #   bash ours_bench.sh [--checkout DIR] [--port 8021] [--request-rate 4|inf] [--num-prompts 64]
-#        [--input-len 128] [--output-len 128] [--model-dir DIR] [--extra "pagedserve up flags"]
+#        [--input-len 128] [--output-len 128] [--model-dir DIR] [--result-dir DIR] [--extra "pagedserve up flags"]
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PEER_DIR=${PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/peer-vllm}
 VENV=${PEER_VENV:-$PEER_DIR/venv}
-CHECKOUT=$(cd "$HERE/../.." && pwd); PORT=8021; RATE=4; NUM=64; IN=128; OUT=128; EXTRA=""; MODEL_DIR=""
+CHECKOUT=$(cd "$HERE/../.." && pwd); PORT=8021; RATE=4; NUM=64; IN=128; OUT=128; EXTRA=""; MODEL_DIR=""; RESULT_DIR=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --checkout) CHECKOUT=$2; shift 2;; --port) PORT=$2; shift 2;; --request-rate) RATE=$2; shift 2;;
     --num-prompts) NUM=$2; shift 2;; --input-len) IN=$2; shift 2;; --output-len) OUT=$2; shift 2;;
-    --extra) EXTRA=$2; shift 2;; --model-dir) MODEL_DIR=$2; shift 2;; *) echo "unknown argument $1" >&2; exit 2;;
+    --extra) EXTRA=$2; shift 2;; --model-dir) MODEL_DIR=$2; shift 2;; --result-dir) RESULT_DIR=$2; shift 2;; *) echo "unknown argument $1" >&2; exit 2;;
   esac
 done
 [ -x "$CHECKOUT/.venv/bin/pagedserve" ] || { echo "no $CHECKOUT/.venv/bin/pagedserve: run make serve (or make test) there first, or give --checkout DIR" >&2; exit 2; }
 MODEL_DIR=${MODEL_DIR:-$PEER_DIR/tiny-llama}
 [ -f "$MODEL_DIR/config.json" ] || PEER_DIR=$PEER_DIR "$VENV/bin/python" "$HERE/make_tiny_model.py" "$MODEL_DIR"
-RESULT_DIR=$PEER_DIR/results; mkdir -p "$RESULT_DIR"
+RESULT_DIR=${RESULT_DIR:-$PEER_DIR/results}; mkdir -p "$RESULT_DIR"
 tag=ours-rate$RATE-$(date +%Y%m%d-%H%M%S)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 t0=$(date +%s.%N)
