@@ -55,7 +55,7 @@ class Config(RouterOptions):
                                aliases=["--tensor-parallel", "-tp"], check=at_least(1))
     max_num_seqs: int = cf.max_num_seqs()
     max_num_batched_tokens: int = cf.max_num_batched_tokens()
-    worker_threads: int = opt(0, "torch threads per worker; 0 = auto (on CPU every core, split between the ranks)",
+    worker_threads: int = opt(0, "torch threads per worker; 0 = auto (on CPU every core but one, split between the ranks)",
                               check=at_least(0))
     enable_prefix_caching: bool = opt(True, "find full KV blocks again by the hash of their tokens",
                                       aliases=["--prefix-caching"])
@@ -193,12 +193,16 @@ def supervised(cfg: Config, name: str, argv: list[str], run_dir: str, threads: i
 
 
 def worker_threads_auto(device: str, tp: int) -> int:
-    """On CPU the workers get every core. The router, scheduler and kvstore sleep on their sockets
-    while a step computes, so leaving them a core idles it: on 2 cores one worker thread gave 0.48
-    of the offline engine's tokens/s at saturation, two gave 0.78 (loadgen.bench_e2e, JSON)."""
+    """On CPU the workers get every core but one, split between the ranks (at least one each): the
+    router and the client of a saturated server compute while the worker does (SSE events, the
+    detokenizer), and OpenMP threads that find their core taken wait for it. On 2 cores, vLLM's own
+    client at saturation (64 x 128 -> 128, benchmarks/peers/ours_bench.sh, alternating, two
+    sittings): 1 worker thread 3,456 / 3,993 / 3,013 / 3,456 out tok/s, 2 threads 3,105 / 2,590 /
+    3,052 / 2,662 (median 3,456 against 2,857)."""
     if device != "cpu":
         return 1
-    return max(1, (os.cpu_count() or 2) // tp)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, (cores - 1) // tp)
 
 
 def _free_port() -> int:
