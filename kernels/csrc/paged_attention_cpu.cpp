@@ -167,6 +167,56 @@ inline void score_dot(const float* qr, const float* kb, int64_t ks, int64_t nr, 
   }
 }
 
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-reduce tree of 15
+// shuffle pairs and adds, where 16 horizontal sums take ~7 dependent operations each. Each level
+// halves the lanes per key: after level 1 a vector holds two keys' partials (8 lanes each), after
+// level 4 sixteen keys (1 lane each), in order.
+inline vfloat hsum16(const vfloat* v) {
+  vfloat a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// score_dot with the 16 keys of a vector summed together (hsum16): decode's few rows per block
+// spent as much on horizontal sums as on the products themselves.
+template <int64_t D>
+inline void score_keys(const float* qr, const float* kb, int64_t ks, int64_t nr, float* score) {
+  constexpr int64_t C = D / W;
+  vfloat qv[C];
+  for (int64_t c = 0; c < C; ++c) qv[c] = load(qr + c * W);
+  for (int64_t t0 = 0; t0 < nr; t0 += W) {
+    const int64_t m = std::min(W, nr - t0);
+    vfloat acc[W];
+    for (int64_t j = 0; j < W; ++j) {
+      if (j >= m) {
+        acc[j] = vfloat{};
+        continue;
+      }
+      const float* kr = kb + (t0 + j) * ks;
+      vfloat s = qv[0] * load(kr);
+      for (int64_t c = 1; c < C; ++c) s += qv[c] * load(kr + c * W);
+      acc[j] = s;
+    }
+    store(score + t0, hsum16(acc));
+  }
+}
+#else
+template <int64_t D>
+inline void score_keys(const float* qr, const float* kb, int64_t ks, int64_t nr, float* score) {
+  score_dot<D>(qr, kb, ks, nr, score);
+}
+#endif
+
 // One (sequence, query tile, kv head): rows = num_q query positions x G heads. D is a template
 // parameter so that a row's query and accumulator (D / 16 vectors each) stay in registers.
 template <typename T, int64_t D>
@@ -253,7 +303,7 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
       const int64_t nr = std::min(n, pos_first + r / G + 1 - base);
       if (nr <= 0) continue;
       float* sr = score + r * BW;
-      if (!transpose) score_dot<D>(qf + r * D, kb, kv_stride, nr, sr);
+      if (!transpose) score_keys<D>(qf + r * D, kb, kv_stride, nr, sr);
       // Lanes past nr take part in whole-vector max and exp: -inf there changes no max, and its
       // exp is ~1e-38, nothing.
       for (int64_t t = nr; t < round_up(nr, W); ++t) sr[t] = -std::numeric_limits<float>::infinity();
