@@ -332,6 +332,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "n": 5000}, "n"),
+    ({"prompt": "x", "n": 1, "best_of": 5000}, "best_of"),        # the engine runs best_of: its bound
+    ({"prompt": "x", "use_beam_search": True, "n": 1, "best_of": 5000}, "best_of"),
     ({"prompt": "x", "stop": ["\ud800"]}, "stop"),             # a lone surrogate cannot travel
     ({"prompt": "x", "cache_salt": "\udfff"}, "cache_salt"),
     ({"prompt": "a\ud800b"}, "prompt"),

@@ -406,8 +406,14 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     try:
         params = SamplingParams(**fields).validate()
     except SamplingParamsError as e:
-        param = {"beam_width": "best_of"}.get(e.param, e.param)
-        raise bad_request(e.message, param) from None
+        # The engine runs best_of sequences (its n, or beam_width for beams): a bound they break is
+        # best_of's when the request set it above n.
+        if e.param == "beam_width" or (e.param == "n" and best_of > req.n):
+            message = e.message
+            if message.startswith(e.param):
+                message = "best_of" + message[len(e.param):]
+            raise bad_request(message, "best_of") from None
+        raise bad_request(e.message, e.param) from None
     return params, req.n
 
 
