@@ -159,3 +159,23 @@ def test_the_engine_with_recorded_graphs_decodes_as_eager(tiny_llama):
         assert engine.runner.graphs.buckets == [1, 2, 4, 8]
     for w, g in zip(want, got):
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_recorded_graphs_keep_greedy_and_beams_under_preemption(tiny_llama, mode):
+    """A pool so small that requests are preempted and come back (table rows freed and taken
+    again, batches shrinking and growing between buckets), beams forking and dying: with graphs
+    the tokens are the roomy eager engine's."""
+    prompts = ["the quick brown fox jumps", "hello there", "a b c d e f g h", "once upon a time there was"]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    beams = SamplingParams(beam_width=3, n=2, max_tokens=10)
+    roomy = EngineConfig(model=tiny_llama, block_size=B, num_device_blocks=256, max_num_seqs=8)
+    tight = EngineConfig(model=tiny_llama, block_size=B, num_device_blocks=24, max_num_seqs=8, preemption_mode=mode)
+    with Engine(roomy) as engine:
+        want = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts * 2, [greedy] * 4 + [beams] * 4)]
+    with Engine(tight) as engine:
+        engine.runner.capture_graphs(8, Recorder())
+        got = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts * 2, [greedy] * 4 + [beams] * 4)]
+        assert engine.stats()["preemptions"] > 0
+    assert got == want
