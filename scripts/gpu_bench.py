@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ import gpu_check  # noqa: E402  (its set-up: cuda_missing, install_missing, the 
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = gpu_check.NO_CUDA
+STOP_GRACE_S = 20.0   # a section at its time limit leaves through its finally blocks (a served stack stops)
 BUDGET_S = 270            # the machine's start and one rerun must fit in its 15 minutes
 MODEL_DIR = REPO / ".cache" / "gpu-check-llama-1b"      # gpu-check builds the same model there
 SMOKE_MODEL_DIR = REPO / ".cache" / "gpu-bench-smoke-llama"
@@ -403,38 +403,6 @@ def run_section(args) -> int:
 # The orchestrator: sections as subprocesses, one table, one JSON
 # ------------------------------------------------------------------------------------------------
 
-def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    """As gpu_check.start, in a session of its own: at the time limit the whole tree goes (a served
-    section's stack included)."""
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    proc.began = time.monotonic()
-    return proc
-
-
-def finish(proc: subprocess.Popen, deadline: float) -> tuple[int | None, float]:
-    """-> (exit code, or None if stopped at the deadline; seconds since it started)."""
-    try:
-        code = proc.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        code = None
-        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:   # whatever of its tree outlived it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return code, time.monotonic() - proc.began
-
-
 def fmt(v, unit: str = "", digits: int = 2) -> str:
     return "n/a" if v is None or v != v else f"{v:,.{digits}f}{unit}"
 
@@ -606,8 +574,8 @@ def main(argv=None) -> int:
     py = [sys.executable, str(Path(__file__).resolve())] + (["--cpu-smoke"] if smoke else [])
     # The model first (built once; a later run finds it), then the sections in order.
     out, log = work / "model.json", work / "model.log"
-    code, seconds = finish(start(py + ["--section", "model", "--json", str(out)], env, log),
-                           min(deadline, time.monotonic() + limits["model"]))
+    code, seconds = gpu_check.finish(gpu_check.start(py + ["--section", "model", "--json", str(out)], env, log),
+                                     min(deadline, time.monotonic() + limits["model"]), STOP_GRACE_S)
     data = json.loads(out.read_text()) if out.exists() else {}
     model = (data.get("runs") or [{}])[0].get("model")
     result["sections"]["model"] = data
@@ -619,8 +587,9 @@ def main(argv=None) -> int:
         for name in args.sections.split(","):
             section_end += limits[name]
             out, log = work / f"{name}.json", work / f"{name}.log"
-            code, seconds = finish(start(py + ["--section", name, "--model", model, "--json", str(out)], env, log),
-                                   min(deadline, max(section_end, time.monotonic() + limits[name] / 2)))
+            code, seconds = gpu_check.finish(
+                gpu_check.start(py + ["--section", name, "--model", model, "--json", str(out)], env, log),
+                min(deadline, max(section_end, time.monotonic() + limits[name] / 2)), STOP_GRACE_S)
             data = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
             result["sections"][name] = data
             rows += section_rows(name, code, seconds, data, log, smoke)

@@ -25,6 +25,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,20 +84,37 @@ def install_missing() -> list[str]:
 
 
 def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    """In a session of its own, so that at the time limit its whole tree goes (a served stack too)."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
     proc.began = time.monotonic()
     return proc
 
 
-def finish(proc: subprocess.Popen, deadline: float) -> tuple[int | None, float]:
-    """-> (exit code, or None if killed at the deadline; seconds since it started)."""
+def finish(proc: subprocess.Popen, deadline: float, term_grace_s: float = 0.0) -> tuple[int | None, float]:
+    """-> (exit code, or None if stopped at the deadline; seconds since it started). At the deadline
+    its process group gets SIGTERM and term_grace_s to leave through its finally blocks (0: none),
+    then SIGKILL, which also takes whatever of the tree outlived it."""
     try:
         code = proc.wait(max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
         code = None
+        if term_grace_s > 0:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(term_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
     return code, time.monotonic() - proc.began
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def pytest_row(section: str, what: str, code, seconds: float, log: Path) -> dict:

@@ -1,9 +1,8 @@
-"""`make gpu-bench` where no GPU is: exit 77 at once without --cpu-smoke; with it, the same code on
-CPU at tiny sizes gives the table and the JSON. The parts only a GPU run reaches (the CUDA branch of
+"""`make gpu-bench` where no GPU is (its exit 77 is tested beside gpu-check's): with --cpu-smoke,
+the same code on CPU at tiny sizes gives the table and the JSON. The parts only a GPU run reaches (the CUDA branch of
 the profile figures, the eager/graphs rows and their targets) are fed made-up figures here."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,29 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
+from test_gpu_check import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "scripts" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the whole benchmark")
-@pytest.mark.parametrize("via_make", [False, True])
-def test_without_cuda_one_line_and_exit_77(via_make):
-    argv = (["make", "-s", "gpu-bench", f"GPU_PY={sys.executable}"] if via_make
-            else [sys.executable, "scripts/gpu_bench.py"])
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert res.stdout.splitlines() == [f"gpu-bench: no CUDA device here (torch {torch.__version__} sees none); "
-                                       f"nothing was run (exit 77)"]
-    assert res.returncode == (2 if via_make else 77)
+    return load_script("gpu_bench")
 
 
 def test_cpu_smoke_run_gives_the_table_and_the_json(tmp_path):

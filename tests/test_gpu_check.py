@@ -15,22 +15,28 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+@pytest.fixture
+def gpu_check():
+    return load_script("gpu_check")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the whole check")
+@pytest.mark.parametrize("target", ["gpu-check", "gpu-bench"])
 @pytest.mark.parametrize("via_make", [False, True])
-def test_without_cuda_one_line_and_exit_77(via_make):
-    argv = (["make", "-s", "gpu-check", f"GPU_PY={sys.executable}"] if via_make
-            else [sys.executable, "scripts/gpu_check.py"])
+def test_without_cuda_one_line_and_exit_77(via_make, target):
+    argv = (["make", "-s", target, f"GPU_PY={sys.executable}"] if via_make
+            else [sys.executable, f"scripts/{target.replace('-', '_')}.py"])
     res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert res.stdout.splitlines() == [f"gpu-check: no CUDA device here (torch {torch.__version__} sees none); "
+    assert res.stdout.splitlines() == [f"{target}: no CUDA device here (torch {torch.__version__} sees none); "
                                        f"nothing was run (exit 77)"]
     assert res.returncode == (2 if via_make else 77)   # make reports a failed recipe as 2 ("Error 77")
 
