@@ -138,6 +138,9 @@ def test_prefill_mixed_and_oversized_steps_run_eagerly(model):
 def test_graphs_are_captured_only_on_cuda_and_not_with_enforce_eager(model):
     runner = make_runner(model)
     assert capture_decode_graphs(runner, 8, enforce_eager=False) is None   # CPU: never
+    runner.device = torch.device("cuda")     # as if on CUDA: --enforce-eager and tp > 1 still capture nothing
+    assert capture_decode_graphs(runner, 8, enforce_eager=True) is None
+    assert capture_decode_graphs(runner, 8, enforce_eager=False, tp_size=2) is None
     assert runner.graphs.buckets == []
 
 

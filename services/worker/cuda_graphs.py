@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -121,11 +121,7 @@ class Recorder(TorchDispatchMode):
 
 
 def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 class DecodeGraphs:
