@@ -31,6 +31,12 @@ time it is called, so each record must be enqueued, on the host, before the wait
 - the next ApplyOps reaches the kvstore only after the scheduler has rank 0's StepResult, which
   follows the barrier of 2., which follows every rank's record of step_done: so no copy overwrites
   (or swaps out) a block that any rank's kernels of an earlier step still read or write.
+  One exception, async scheduling (services/scheduler/scheduler.py, schedule_ahead): the ops of a
+  step planned while step N runs reach the kvstore before N's StepResult. They swap nothing and
+  copy on write nothing N touches (N's sequences write only blocks they own alone; a shared one was
+  copied when N was planned): their copies are the host tier's, into blocks no sequence holds and
+  out of blocks no sequence holds, and a sequence of N freed meanwhile keeps its blocks until the
+  steps planned ahead that use it are answered. So what such a copy touches, N does not.
 Nothing here synchronizes a host thread with the GPU: sampling does (rank 0 reads the tokens), but
 the contract does not rely on it.
 

@@ -24,7 +24,8 @@ from pagedserve.kvstore.block_table import DEVICE, HOST
 from pagedserve.kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult, wire_keys
 from pagedserve.services.protocol import ProtocolError
 
-OPS = ("allocate", "append_slots", "append_tokens", "mark_computed", "fork", "free", "swap_out", "swap_in")
+OPS = ("allocate", "append_slots", "append_tokens", "set_tokens", "mark_computed", "fork", "free", "swap_out",
+       "swap_in")
 
 
 class ReplayError(ProtocolError):
@@ -136,6 +137,12 @@ class RecordingStore:
             self._ops.append(["append_tokens", list(seq_ids), list(map(int, token_ids))])
             self._results.append(encode_result(r))
         return r
+
+    def set_tokens(self, seq_ids: list[int], positions: list[int], token_ids: list[int]) -> None:
+        self.store.set_tokens(seq_ids, positions, token_ids)
+        if seq_ids:
+            self._ops.append(["set_tokens", list(seq_ids), list(positions), list(map(int, token_ids))])
+            self._results.append(None)
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
         t = self.store._seqs.get(seq_id)
@@ -306,6 +313,18 @@ def _check_append_tokens(shadow: _Shadow, op: list) -> tuple:
     return ids, tokens
 
 
+def _check_set_tokens(shadow: _Shadow, op: list) -> tuple:
+    _arity(op, 3, 3)
+    ids, positions, tokens = (_int_list(op[1], "seq_ids"), _int_list(op[2], "positions"),
+                              _int_list(op[3], "token_ids"))
+    if not len(ids) == len(positions) == len(tokens):
+        raise ReplayError(f"{len(ids)} sequence ids, {len(positions)} positions, {len(tokens)} tokens")
+    for seq_id, pos in zip(ids, positions):
+        if not 0 <= pos < shadow.existing(seq_id)[1]:
+            raise ReplayError(f"sequence {seq_id} has no position {pos}")
+    return ids, positions, tokens
+
+
 def _check_mark(shadow: _Shadow, op: list) -> tuple:
     if len(op) != 3:
         _arity(op, 2, 2)
@@ -344,6 +363,7 @@ def _swap_checker(src: str, dst: str):
 
 
 _CHECKS = {"allocate": _check_allocate, "append_slots": _check_append, "append_tokens": _check_append_tokens,
+           "set_tokens": _check_set_tokens,
            "mark_computed": _check_mark,
            "fork": _check_fork, "free": _check_free,
            "swap_out": _swap_checker(DEVICE, HOST), "swap_in": _swap_checker(HOST, DEVICE)}

@@ -383,6 +383,21 @@ class BlockStore:
             self._index.register(t.blocks[i], t.hashes[i])
         t.num_registered = full
 
+    def set_tokens(self, seq_ids: Sequence[int], positions: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Write token_ids[i] at positions[i] of seq_ids[i]: a slot appended before its token was
+        drawn (async scheduling appends a placeholder) gets the token, before any hash covers it.
+        Checked before anything changes."""
+        if not len(seq_ids) == len(positions) == len(token_ids):
+            raise ValueError(f"{len(seq_ids)} sequences, {len(positions)} positions, {len(token_ids)} tokens")
+        tables = [self._table(s) for s in seq_ids]
+        bs = self.block_size
+        for seq_id, t, pos in zip(seq_ids, tables, positions):
+            if not max(len(t.hashes), t.num_registered) * bs <= pos < len(t.token_ids):
+                raise ValueError(f"sequence {seq_id}: position {pos} is not an unhashed slot of its "
+                                 f"{len(t.token_ids)} tokens")
+        for t, pos, token in zip(tables, positions, token_ids):
+            t.token_ids[pos] = int(token)
+
     # ---- sharing and release ---------------------------------------------------------------
 
     def fork(self, parent_id: int, child_id: int) -> None:

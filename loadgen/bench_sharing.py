@@ -75,7 +75,7 @@ def measure(engine, pairs: list[tuple[int, int]], mode: str, width: int, seed: i
             else dict(beam_width=width)
         engine.add_request(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, **kind))
     total_with = total_without = steps = 0
-    while engine.scheduler.has_unfinished():
+    while engine.has_work():
         engine.step()
         used = engine.store.stats()["device_blocks_used"]
         unshared = unshared_blocks(engine)

@@ -249,7 +249,7 @@ def measure_batch(eng, s: dict, batch: int) -> dict:
     for rid in ids:   # done with them: free their blocks for the next batch
         if sched.abort(rid) or rid in sched.requests:
             sched.pop_finished(rid)
-    while sched.has_unfinished():
+    while eng.has_work():
         eng.step()
     return out
 

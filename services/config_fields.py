@@ -112,6 +112,11 @@ def enforce_eager():
                       "only ever captured on CUDA)")
 
 
+def async_scheduling():
+    return opt(True, "plan each decode step while the one before it runs, its inputs the tokens still being "
+                     "drawn (vLLM's --async-scheduling); --no-async-scheduling waits for every step's tokens")
+
+
 def max_num_seqs(default: int = 256):
     return opt(default, "sequences in one step at the most", check=at_least(1))
 

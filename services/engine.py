@@ -101,6 +101,7 @@ class Engine:
             eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size, batching=config.batching),
             self.store, clock=time.monotonic)
         self._request_ids = itertools.count()
+        self._ahead = None   # async scheduling: the step planned while the last one ran
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
@@ -118,8 +119,12 @@ class Engine:
         return request_id
 
     def step(self) -> list[Request]:
-        """One iteration: schedule, run the model, apply the results -> requests that finished."""
-        scheduled = self.scheduler.schedule()
+        """One iteration: schedule, run the model, apply the results -> requests that finished.
+        With async scheduling the next step is planned before this one's results are applied,
+        as the served scheduler plans it while the worker runs this one."""
+        scheduled, self._ahead = self._ahead or self.scheduler.schedule(), None
+        if self.config.async_scheduling:
+            self._ahead = self.scheduler.schedule_ahead(scheduled)
         prompt_logprobs: dict = {}
         results = self.worker.execute(scheduled.steps, scheduled.samples, prompt_logprobs) if scheduled.steps else []
         finished = self.scheduler.update(scheduled, results, prompt_logprobs)
@@ -145,9 +150,13 @@ class Engine:
             if p.structured_outputs is not None:
                 self.guides.cache.compile(p.structured_outputs)
         order = [self.add_request(i, p, true_output_len=n) for i, p, n in zip(ids, plist, lens)]
-        while self.scheduler.has_unfinished():
+        while self.has_work():
             self.step()
         return [self.output_of(self.scheduler.pop_finished(rid)) for rid in order]
+
+    def has_work(self) -> bool:
+        """Requests not finished, or a step planned ahead still to run (its blocks to release)."""
+        return self.scheduler.has_unfinished() or self._ahead is not None
 
     def output_of(self, req: Request) -> RequestOutput:
         p = req.params

@@ -34,6 +34,7 @@ class EngineConfig:
     allocation: str = cf.allocation()
     batching: str = cf.batching()
     enforce_eager: bool = cf.enforce_eager()
+    async_scheduling: bool = cf.async_scheduling()
 
     def cross_check(self) -> str | None:
         return (cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)

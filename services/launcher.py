@@ -62,6 +62,7 @@ class Config(RouterOptions):
     allocation: str = cf.allocation()
     batching: str = cf.batching()
     enforce_eager: bool = cf.enforce_eager()
+    async_scheduling: bool = cf.async_scheduling()
     # Supervision and shutdown (services/supervisor.py).
     shutdown_timeout_s: float = cf.shutdown_timeout(10.0)
     hang_timeout_s: float = cf.hang_timeout("seconds of heartbeat silence after which a process counts as stuck "
@@ -159,7 +160,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--replica-id", replica_id(cfg),
                                      "--heartbeat-endpoint", sched_beat, "--worker-heartbeat-endpoint", worker_beat,
                                      "--shutdown-timeout", str(cfg.shutdown_timeout_s), *hang]
-                  + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])))
+                  + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])
+                  + ([] if cfg.async_scheduling else ["--no-async-scheduling"])))
     context = ["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []
     procs[-1][1].extend(context)
     router_flags, _ = passed_down(cfg)

@@ -31,13 +31,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-VERSION = 6   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+VERSION = 7   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
 #             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
 #             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
 #             5: sampling params carry structured_outputs (AddRequest, ExecuteStep.new_params)
 #             6: RequestUpdate's final phases (queued_s, ..., num_preemptions), GetStats.router_id,
 #                Pong.sender names the scheduler's replica; the host tier (PoolInfo.host_cache_blocks),
 #                ResumeStore -> StoreSnapshot
+#             7: async scheduling: SeqWork.token_ids may be [PENDING_TOKEN]; the kvstore's set_tokens op
 
 
 class ProtocolError(ValueError):
@@ -247,6 +248,11 @@ class ExecuteStep:
 # SampleResult.token_id of a draw not made: its grammar is still compiling. The scheduler takes the
 # step's last token back (computes it again next step) and the request waits; the others go on.
 WAITS_FOR_GRAMMAR = -2
+
+# A token not drawn yet (async scheduling: services/scheduler/scheduler.py, schedule_ahead). As a
+# SeqWork's only token it means "the token this sequence draws in the step before this one", which the
+# worker takes from its own last draw; in the block store it holds that token's slot until set_tokens.
+PENDING_TOKEN = -3
 
 
 @dataclass(slots=True)

@@ -62,6 +62,10 @@ class RpcClient:
         self.sock, self.monitor = self._connect()
         self.asked = False
 
+    def reset(self) -> None:
+        """Drop the connection and every question asked on it: no answer to them is read."""
+        self._reconnect()
+
     def call(self, msg, timeout_s: float | None = None):
         """Send one message and wait for its answer (a decoded protocol message)."""
         self.send(msg)

@@ -169,6 +169,9 @@ def test_metrics_and_kv(stack):
         text = r.read().decode()
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds"):
         assert name in text
+    # async scheduling is on: the earlier tests' decode steps were planned while the one before ran
+    ahead = [line for line in text.splitlines() if line.startswith("pagedserve:steps_planned_ahead_total{")]
+    assert ahead and float(ahead[0].rsplit(" ", 1)[1]) > 0, ahead
     kv = get_json(stack.url + "/v1/kv")
     assert kv["device_blocks_total"] == 256
 

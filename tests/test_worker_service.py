@@ -294,7 +294,9 @@ def test_step_inputs_refuse_ids_outside_the_pool_and_the_vocabulary():
             inputs.apply_deltas(protocol.ExecuteStep(2, [], table_updates=bad))
     assert inputs.tables == {1: [2, 3]}
     for work, match in ((protocol.SeqWork(1, [5, 100], 0), "token ids"),
-                        (protocol.SeqWork(1, [-3], 0), "token ids"),
+                        (protocol.SeqWork(1, [-4], 0), "token ids"),
+                        # PENDING_TOKEN only ever stands alone (the sequence's one input in the step)
+                        (protocol.SeqWork(1, [5, protocol.PENDING_TOKEN], 0), "token ids"),
                         (protocol.SeqWork(1, [5], -1), "start_pos"),
                         (protocol.SeqWork(1, [5], 0, [[1, "k", 0, 0, 10**15]]), "counts"),
                         (protocol.SeqWork(1, [5], 0, [[1, 7, 0, 0, 1]]), "key")):

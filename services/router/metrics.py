@@ -236,6 +236,10 @@ SCHEDULER_COUNTERS = (
     ("swap_outs", "pagedserve:swap_outs", "Requests swapped out to host memory."),
     ("swap_ins", "pagedserve:swap_ins", "Requests swapped back in."),
     ("recomputed_tokens", "pagedserve:recomputed_tokens", "Tokens dropped by a preemption, to compute again."),
+    ("steps_planned_ahead", "pagedserve:steps_planned_ahead",
+     "Steps planned while the step before them ran (async scheduling)."),
+    ("ahead_rows_dropped", "pagedserve:ahead_rows_dropped",
+     "Rows of steps planned ahead computed for a sequence that had stopped in the step before."),
 )
 
 

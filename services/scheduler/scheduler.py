@@ -16,6 +16,15 @@ Each step (`schedule`):
    admission opens only when nothing runs, and then takes every request that fits at once.
 After the worker ran the step, `update` appends the sampled tokens, forks parallel samples and
 beams, checks stops and frees what finished.
+
+Async scheduling (`schedule_ahead`): the served scheduler plans step N+1 while the worker runs N,
+when N+1 can be planned without N's tokens: every running sequence is drawing its next token in N,
+and that token, unknown here, is its one input in N+1 (PENDING_TOKEN: the worker takes it from its
+own last draw; its slot in the store holds the placeholder until `update` of N sets it). A
+sequence whose N token ends it by length sits N+1 out; one that N's token stops (EOS, a stop token)
+computed N+1 for nothing, and its result is dropped. A sequence in a step planned ahead keeps its
+blocks until that step is updated: a block freed earlier could be handed, with a copy into it, to
+a step that runs while the worker still writes it.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from pagedserve.services.sampling_params import SamplingParams
 from pagedserve.services.scheduler.beam_search import BeamSearch
 from pagedserve.services.scheduler.kv_usage import KVUsageMeter
 from pagedserve.services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
-from pagedserve.services.protocol import WAITS_FOR_GRAMMAR
+from pagedserve.services.protocol import PENDING_TOKEN, WAITS_FOR_GRAMMAR
 from pagedserve.services.steps import SampleRequest, SampleResult, SeqStep
 
 
@@ -56,6 +65,7 @@ class ScheduledStep:
     pending_forks: dict[int, list[Sequence]] = field(default_factory=dict)   # parent seq id -> n-1 samples
     step_requests: list[Request] = field(default_factory=list)   # the request of each entry of steps
     aborted: list[Request] = field(default_factory=list)   # ended while scheduling (they can never fit)
+    ahead: bool = False    # planned by schedule_ahead while the step before it ran
 
     @property
     def is_empty(self) -> bool:
@@ -87,6 +97,9 @@ class Scheduler:
         self._capacity_tokens = store.stats()["device_blocks_total"] * store.block_size
         self._eos, self._max_model_len = config.eos_token_ids, config.max_model_len   # read per token
         self.kv_meter = KVUsageMeter(config.kv_usage_interval_s)
+        self._ahead: list[ScheduledStep] = []     # steps planned ahead, not updated yet
+        self._held: list[int] = []                # freed sequences whose blocks those steps still use
+        self._pending_slots: dict[int, int] = {}  # seq id -> position whose token it draws in flight
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -186,6 +199,104 @@ class Scheduler:
             self.running.sort(key=_ARRIVAL)
         self._sample_kv_usage()
         return out
+
+    def schedule_ahead(self, in_flight: ScheduledStep) -> ScheduledStep | None:
+        """The step after `in_flight`, planned while it runs (async scheduling), or None when that
+        needs its results: a request the blind plan cannot serve runs (beams, a fork pending, a
+        grammar, penalties that read the history, prompt logprobs), a running sequence is not
+        drawing in it, something is swapped out, or the running sequences' next slots do not all
+        fit (preempting needs the tokens). Waiting requests are admitted as in `schedule`."""
+        if not in_flight.steps or in_flight.pending_forks or self.swapped:
+            return None
+        drawing = {w.seq_id for wanted in in_flight.samples for w in wanted}
+        grow: list[Sequence] = []
+        grow_requests: list[Request] = []
+        max_len = self._max_model_len
+        for req in self.running:
+            p = req.params
+            if req.beam is not None or p.structured_outputs is not None or p.uses_penalties \
+                    or p.prompt_logprobs is not None:
+                return None
+            for seq in req.seqs:
+                if seq.seq_id not in drawing:
+                    return None
+                n_out = len(seq.output_token_ids) + 1   # with the token it draws in flight
+                if n_out < p.max_tokens and len(seq.prompt_token_ids) + n_out < max_len:
+                    grow.append(seq)
+                    grow_requests.append(req)
+        budget = [self.config.max_num_batched_tokens - len(grow)]
+        if budget[0] < 0:
+            return None
+        if grow:
+            ids = [s.seq_id for s in grow]
+            if not self.store.append_tokens(ids, [PENDING_TOKEN] * len(ids)).ok:
+                return None   # nothing appended: the synchronous step after it preempts
+        out = ScheduledStep(ahead=True)
+        table = self.store.block_table_view
+        pending = self._pending_slots
+        last_req = None
+        for seq, req in zip(grow, grow_requests):
+            pos = seq.num_tokens          # the in-flight token's position
+            pending[seq.seq_id] = pos
+            out.steps.append(SeqStep(seq.seq_id, [PENDING_TOKEN], pos, table(seq.seq_id)))
+            out.samples.append(self._sample_requests(req, seq, out))
+            out.computed.append((seq, 1))
+            out.step_requests.append(req)
+            if req is not last_req:
+                out.requests.append(req)
+                last_req = req
+        num_running = len(self.running)
+        self._schedule_waiting(out, budget)
+        if len(self.running) != num_running:
+            self.running.sort(key=_ARRIVAL)
+        self._sample_kv_usage()
+        if out.steps:
+            self._ahead.append(out)
+            self.stats["steps_planned_ahead"] += 1
+        return out if out.steps or out.aborted else None
+
+    def abandon(self, scheduled: ScheduledStep) -> None:
+        """A step that will never be updated (its worker failed): its sequences' blocks go."""
+        self._done_with(scheduled)
+
+    def _done_with(self, scheduled: ScheduledStep) -> None:
+        if scheduled.ahead and any(s is scheduled for s in self._ahead):
+            self._ahead = [s for s in self._ahead if s is not scheduled]
+            for step in scheduled.steps:
+                self._pending_slots.pop(step.seq_id, None)
+        if self._held:
+            if scheduled.ahead:   # sequences that stopped in the step before: their rows were for nothing
+                mine = {step.seq_id for step in scheduled.steps}
+                self.stats["ahead_rows_dropped"] += sum(1 for seq_id in self._held if seq_id in mine)
+            busy = {step.seq_id for s in self._ahead for step in s.steps}
+            held, self._held = self._held, []
+            for seq_id in held:
+                if seq_id in busy:
+                    self._held.append(seq_id)
+                else:
+                    self.store.free(seq_id)
+
+    def _free(self, seq_id: int) -> None:
+        """Free a sequence's blocks, or hold them while a step planned ahead still uses them."""
+        if self._ahead and any(step.seq_id == seq_id for s in self._ahead for step in s.steps):
+            if seq_id not in self._held:
+                self._held.append(seq_id)
+            return
+        self.store.free(seq_id)
+
+    def _set_pending_tokens(self, results: list[SampleResult]) -> None:
+        """The store's placeholders of the tokens just drawn get the tokens."""
+        pending, store = self._pending_slots, self.store
+        ids, positions, tokens = [], [], []
+        for r in results:
+            pos = pending.get(r.seq_id)
+            if pos is not None and r.token_id is not None and r.token_id >= 0 and r.seq_id in store:
+                del pending[r.seq_id]
+                ids.append(r.seq_id)
+                positions.append(pos)
+                tokens.append(r.token_id)
+        if ids:
+            store.set_tokens(ids, positions, tokens)
 
     def _sample_kv_usage(self, force: bool = False) -> None:
         now = self.clock()
@@ -494,6 +605,8 @@ class Scheduler:
                prompt_logprobs: dict | None = None) -> list[Request]:
         """Apply the worker's results; return the requests that finished in this step."""
         now = self.clock()
+        if self._pending_slots:
+            self._set_pending_tokens(results)
         if prompt_logprobs:
             self._add_prompt_logprobs(scheduled, prompt_logprobs)
         bs, store = self.store.block_size, self.store
@@ -538,6 +651,8 @@ class Scheduler:
                 self._finish(req, None)
             if req.status is FINISHED:
                 finished.append(req)
+        if scheduled.ahead or self._held:
+            self._done_with(scheduled)
         if finished and not self.has_unfinished():
             # Going idle: the empty pool, not the last busy step, stands for the time until the
             # next request (no step samples while nothing runs).
@@ -586,7 +701,7 @@ class Scheduler:
             reason = "length"
         if reason is not None:
             seq.finish_reason = reason
-            self.store.free(seq.seq_id)
+            self._free(seq.seq_id)
             req.seqs.remove(seq)
             req.finished.append(seq)
 
@@ -624,7 +739,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str | None) -> None:
         for seq in list(req.seqs):
             if seq.seq_id in self.store:
-                self.store.free(seq.seq_id)
+                self._free(seq.seq_id)
             seq.finish_reason = seq.finish_reason or reason
             req.finished.append(seq)
         req.seqs = []

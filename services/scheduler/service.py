@@ -28,7 +28,7 @@ from pagedserve.services.process import on_stop_signals, service_main
 from pagedserve.services.rpc import PeerTimeout, RpcClient
 from pagedserve.services.state import redact_url
 from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
-from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from pagedserve.services.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig, SchedulerError
 from pagedserve.services.scheduler.exporter import ExporterElection
 from pagedserve.services.scheduler.step_stats import StepStats
 from pagedserve.services.scheduler.stepper import RouterView, WorkerView
@@ -46,6 +46,7 @@ class Config:
     max_num_batched_tokens: int = cf.max_num_batched_tokens()
     preemption_mode: str = cf.preemption_mode()
     batching: str = cf.batching()         # request: the kvstore holds the allocation (orca-max)
+    async_scheduling: bool = cf.async_scheduling()
     max_model_len: int | None = cf.max_model_len()
     redis_url: str | None = cf.redis_url("Redis where the replica registers for routers that pick replicas")
     replica_id: str = opt("replica-0", "this replica's name in Redis")
@@ -122,7 +123,10 @@ class SchedulerService:
         self.max_model_len = max_len
         self.owner: dict[str, bytes] = {}           # request id -> router identity
         self.workers_view, self.routers_view = WorkerView(), RouterView()
-        self.step_no = 0
+        self.step_no = 0          # ApplyOps sent to the kvstore
+        self.worker_step = 0      # ExecuteSteps sent to the worker
+        self.in_flight: Dispatched | None = None   # a step sent to the worker, not yet answered
+        self.last_step_end = 0.0
         self.unpublished = None   # (requests, finished) of the last step, not yet sent to routers
         self.timing = StepStats()
         self.exporters = ExporterElection()   # which router exports this engine's series
@@ -267,43 +271,86 @@ class SchedulerService:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
-        t0 = time.perf_counter()
-        scheduled = self.core.schedule()
-        t1 = time.perf_counter()
-        # A step whose block ops move no bytes (no copy-on-write, no swap: nearly every decode step)
-        # need not wait for the kvstore: the worker runs while the kvstore replays the metadata,
-        # and the reply is checked after. Otherwise the copies must land before the worker reads.
+        """Run one step to its update. With async scheduling the step after it is planned and sent
+        first, when it can be planned without this one's tokens (Scheduler.schedule_ahead): the
+        worker finds it waiting when it answers, and runs it while this one is applied and its
+        tokens are published. Every ApplyOps is answered before step() returns; only a step sent to
+        the worker stays in flight between calls."""
+        t = time.perf_counter()
+        cur, self.in_flight = self.in_flight or self._dispatch(self.core.schedule(), t), None
+        try:
+            self._run(cur)
+        except BaseException:
+            self.core.abandon(cur.scheduled)
+            self.abandon_steps()
+            raise
+
+    def _run(self, cur: "Dispatched") -> None:
+        if self.config.async_scheduling and cur.request is not None and self.core.has_unfinished():
+            t = time.perf_counter()
+            ahead = self.core.schedule_ahead(cur.scheduled)
+            if ahead is not None:
+                self._settle_ops(cur)   # the kvstore answers one ApplyOps at a time, in order
+                self.in_flight = self._dispatch(ahead, t)
+        results, worker_s, prompt_logprobs = [], 0.0, None
+        try:
+            if cur.request is not None:
+                self.publish()   # the last step's tokens go to the routers while the worker computes
+                reply = self.worker.receive()
+                if not isinstance(reply, protocol.StepResult) or reply.error:
+                    raise RuntimeError(f"worker failed step {cur.request.step}: {getattr(reply, 'error', reply)}")
+                if reply.step != cur.request.step:   # never a reply to another question: fail, do not apply
+                    raise RuntimeError(f"the worker answered step {cur.request.step} with step {reply.step}")
+                results, worker_s, prompt_logprobs = reply.results, reply.elapsed, reply.prompt_logprobs
+                self.worker_grammar_cache_bytes = reply.grammar_cache_bytes
+        finally:   # read the kvstore's answers even if the worker failed: the socket must stay in step
+            t_reply = time.perf_counter()
+            self._settle_ops(cur)
+            if self.in_flight is not None:
+                self._settle_ops(self.in_flight)
+        self.publish()   # (a step that reached no worker)
+        finished = self.core.update(cur.scheduled, results, prompt_logprobs)
+        # Sent once the next step is on its way to the worker (or now, if there is none): the
+        # encoding overlaps the worker's compute instead of delaying its next step.
+        self.unpublished = (cur.scheduled.requests, finished)
+        if self.in_flight is None and not self.core.has_unfinished():
+            self.publish()
+            self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
+        # Phases of overlapping steps: each counts from where the one before it ended.
+        end = time.perf_counter()
+        began, self.last_step_end = max(cur.t_plan, self.last_step_end), end
+        self.timing.add(cur.scheduled.num_tokens, end - began, cur.t_ops - cur.t_plan, cur.t_sent - cur.t_ops,
+                        t_reply - max(cur.t_sent, began), worker_s)
+
+    def _dispatch(self, scheduled: ScheduledStep, t_plan: float) -> "Dispatched":
+        """Send a planned step's block ops to the kvstore and its work to the worker. A step whose
+        ops move no bytes (no copy-on-write, no swap: nearly every decode step) need not wait for
+        the kvstore: the worker runs while the kvstore replays the metadata, and the answer is
+        read after. Otherwise the copies must land before the worker reads."""
+        t_ops = time.perf_counter()
         pending = self._send_ops()
         if pending is not None and pending[1]:
             self._check_ops(pending)
             pending = None
-        t2 = time.perf_counter()
-        results, worker_s, prompt_logprobs = [], 0.0, None
-        try:
-            if scheduled.steps:
-                request = self.workers_view.execute_step(self.step_no, scheduled, self.mirror, self.core.requests)
-                self.worker.send(request)
-                self.publish()   # the last step's tokens go to the routers while the worker computes
-                reply = self.worker.receive()
-                if not isinstance(reply, protocol.StepResult) or reply.error:
-                    raise RuntimeError(f"worker failed step {self.step_no}: {getattr(reply, 'error', reply)}")
-                if reply.step != request.step:   # never a reply to another question: fail, do not apply
-                    raise RuntimeError(f"the worker answered step {request.step} with step {reply.step}")
-                results, worker_s, prompt_logprobs = reply.results, reply.elapsed, reply.prompt_logprobs
-                self.worker_grammar_cache_bytes = reply.grammar_cache_bytes
-        finally:   # read the kvstore's answer even if the worker failed: the socket must stay in step
-            t3 = time.perf_counter()
-            if pending is not None:
-                self._check_ops(pending)
-        self.publish()   # (a step that reached no worker)
-        finished = self.core.update(scheduled, results, prompt_logprobs)
-        # Sent once the next step is on its way to the worker (or now, if there is none): the
-        # encoding overlaps the worker's compute instead of delaying its next step.
-        self.unpublished = (scheduled.requests, finished)
-        if not self.core.has_unfinished():
-            self.publish()
-            self._sync_kvstore()     # frees of the last step, so the kvstore's stats are current
-        self.timing.add(scheduled.num_tokens, time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, worker_s)
+        request = None
+        if scheduled.steps:
+            self.worker_step += 1
+            request = self.workers_view.execute_step(self.worker_step, scheduled, self.mirror, self.core.requests)
+            self.worker.send(request)
+        return Dispatched(scheduled, request, pending, t_plan, t_ops, time.perf_counter())
+
+    def _settle_ops(self, d: "Dispatched") -> None:
+        if d.pending is not None:
+            pending, d.pending = d.pending, None
+            self._check_ops(pending)
+
+    def abandon_steps(self) -> None:
+        """A step failed: the step planned ahead of it never runs to an update. Its blocks go, and the
+        worker's connection is renewed, so that its late answer is never read as another's."""
+        if self.in_flight is not None:
+            self.core.abandon(self.in_flight.scheduled)
+            self.in_flight = None
+            self.worker.reset()
 
     def publish(self) -> None:
         """Send the routers what the last step produced: one message per router, then the ends."""
@@ -374,8 +421,7 @@ class SchedulerService:
         self._sync_kvstore()     # aborts and frees made while idle
         ok = True
         pings = ((self._kvstore_same, "kvstore", self.kv.endpoint),
-                 (lambda: self.worker.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s),
-                  "worker", self.worker.endpoint))
+                 (self._ping_worker, "worker", self.worker.endpoint))
         for ping, name, endpoint in pings:
             try:
                 ping()
@@ -401,6 +447,16 @@ class SchedulerService:
             ok = self._resync_block_stores()
         self.ready = ok
         self._renew_lease()
+
+    def busy(self) -> bool:
+        """Requests to run, or a step in flight to collect."""
+        return self.core.has_unfinished() or self.in_flight is not None
+
+    def _ping_worker(self) -> None:
+        """A Ping, unless a step is in flight: its answer would be taken for the Pong (the step's own
+        answer, and the worker's heartbeat meanwhile, say whether it lives)."""
+        if self.in_flight is None:
+            self.worker.call(protocol.Ping("scheduler"), timeout_s=self.config.peer_timeout_s)
 
     def _new_mirror(self, snapshot: protocol.StoreSnapshot | None = None):
         """The scheduler's bookkeeping-only copy of the kvstore's BlockStore: empty, or the state
@@ -493,6 +549,18 @@ class SchedulerService:
                 "preemption_mode": self.config.preemption_mode}
 
 
+@dataclass
+class Dispatched:
+    """A step sent on its way: its plan, what the worker was asked (None: nothing), the kvstore's
+    answer still to read (None: read), and when it was planned, its ops sent, its work sent."""
+    scheduled: ScheduledStep
+    request: protocol.ExecuteStep | None
+    pending: tuple | None
+    t_plan: float
+    t_ops: float
+    t_sent: float
+
+
 def _moves_bytes(ops: list[list], results: list, host_copies: int = 0) -> bool:
     """Whether replaying these ops copies block bytes (swaps, appends that copied on write, or
     host_copies blocks demoted or promoted: a demoted block is written again in this very step)."""
@@ -529,10 +597,10 @@ def run(config: Config) -> int:
             svc.draining = True
             drain_until = time.monotonic() + config.shutdown_timeout_s
             log.info("draining: %d request(s) may run for up to %.0f s", len(svc.owner), config.shutdown_timeout_s)
-        if drain_until is not None and (not svc.core.has_unfinished() or time.monotonic() >= drain_until):
+        if drain_until is not None and (not svc.busy() or time.monotonic() >= drain_until):
             break
         svc.tick()
-        busy = svc.core.has_unfinished() and svc.ready
+        busy = svc.busy() and svc.ready
         if svc.sock.poll(0 if busy else 50, zmq.POLLIN):
             while svc.sock.poll(0, zmq.POLLIN):
                 identity, *frames = svc.sock.recv_multipart(copy=False)

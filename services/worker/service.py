@@ -58,7 +58,7 @@ from pagedserve.services.worker.model_loader import load_tokenizer
 from pagedserve.services.worker.step_inputs import StepError, StepInputs
 from pagedserve.services.worker.tp import (SINGLE, TensorParallel, TPConfigError, broadcast_control,
                                 close_tensor_parallel, init_tensor_parallel)
-from pagedserve.services.worker.worker_core import SampleRequest, SampleResult, WorkerCore
+from pagedserve.services.worker.worker_core import PendingTokenError, SampleRequest, SampleResult, WorkerCore
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -149,6 +149,14 @@ class WorkerService:
             log.warning("rejected a malformed message: %s", e)
             return protocol.Error(str(e), code=400)
         if isinstance(msg, protocol.ExecuteStep):
+            if self.tp.size > 1 and any(w.token_ids == [protocol.PENDING_TOKEN] for w in msg.seqs):
+                # The other ranks have no draws of their own: they get this step with its inputs filled.
+                try:
+                    self.core.fill_pending(msg.seqs)
+                except PendingTokenError as e:
+                    log.warning("step %d rejected: %s", msg.step, e)
+                    return protocol.StepResult(msg.step, [], str(e))
+                frames = protocol.encode(msg)
             self.broadcast("step", frames)   # before running it: the others must join its collectives
             return self.run_step(msg)
         if isinstance(msg, protocol.Ping):
@@ -177,7 +185,7 @@ class WorkerService:
                 steps, samples = self.inputs.build(msg)
                 if steps:
                     results = self._execute(steps, samples, prompt_logprobs)
-        except StepError as e:
+        except (StepError, PendingTokenError) as e:
             log.warning("step %d rejected: %s", msg.step, e)
             error = str(e)
         except Exception as e:  # a model error fails this step, not the worker

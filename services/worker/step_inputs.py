@@ -13,10 +13,13 @@ output count would allocate without bound. Such a step is a StepError, never a c
 """
 from __future__ import annotations
 
-from pagedserve.services.protocol import ExecuteStep
+from pagedserve.services.protocol import PENDING_TOKEN, ExecuteStep
 from pagedserve.services.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.services.worker.model_runner import SeqStep
 from pagedserve.services.worker.worker_core import SampleRequest
+
+
+_PENDING = [PENDING_TOKEN]
 
 
 class StepError(ValueError):
@@ -76,7 +79,9 @@ class StepInputs:
                 raise StepError(f"seq {work.seq_id} has no block table on this worker")
             if not work.token_ids:
                 raise StepError(f"seq {work.seq_id} has no tokens to compute")
-            if not self._tokens_ok(work.token_ids) or work.start_pos < 0:
+            # [PENDING_TOKEN]: the sequence's draw of the step before (WorkerCore.fill_pending).
+            pending = work.token_ids == _PENDING
+            if not (pending or self._tokens_ok(work.token_ids)) or work.start_pos < 0:
                 raise StepError(f"seq {work.seq_id}: token ids must be in [0, {self.vocab_size}) and "
                                 f"start_pos >= 0")
             step = SeqStep(work.seq_id, work.token_ids, work.start_pos, table)
