@@ -1,7 +1,7 @@
 """Two configurations of the served stack side by side: `serve` flags A against flags B, the same
 requests through the API, rounds alternating A, B, A, B in one sitting; prints each round and B / A.
 
-    python -m pagedserve.loadgen.bench_flags --b "--no-async-scheduling" [--a ""] [--rounds 3]
+    python -m pagedserve.loadgen.bench_flags --b=--no-async-scheduling [--a=""] [--rounds 3]
         [--rate 4] [--requests 48] [--prompt-len 128] [--max-tokens 128]
 
 Both stacks run for the whole sitting (an idle stack blocks on its sockets), each with the same
