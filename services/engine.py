@@ -101,7 +101,7 @@ class Engine:
             eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size, batching=config.batching),
             self.store, clock=time.monotonic)
         self._request_ids = itertools.count()
-        self._ahead = None   # async scheduling: the step planned while the last one ran
+        self._ahead = None   # async scheduling: (the step planned while the last one ran, its launch)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
@@ -120,17 +120,31 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One iteration: schedule, run the model, apply the results -> requests that finished.
-        With async scheduling the next step is planned before this one's results are applied,
-        as the served scheduler plans it while the worker runs this one."""
-        scheduled, self._ahead = self._ahead or self.scheduler.schedule(), None
+
+        With async scheduling, in the served stack's order: the next step is planned and launched
+        before this one's tokens are read (on a GPU the device runs on from one step to the next)."""
+        if self._ahead is not None:
+            (scheduled, launched), self._ahead = self._ahead, None
+        else:
+            scheduled = self.scheduler.schedule()
+            launched = self._launch(scheduled)
         if self.config.async_scheduling:
-            self._ahead = self.scheduler.schedule_ahead(scheduled)
-        prompt_logprobs: dict = {}
-        results = self.worker.execute(scheduled.steps, scheduled.samples, prompt_logprobs) if scheduled.steps else []
+            ahead = self.scheduler.schedule_ahead(scheduled)
+            if ahead is not None:
+                self._ahead = (ahead, self._launch(ahead))
+        prompt_logprobs, launched = launched
+        results = self.worker.finish(launched) if launched is not None else []
         finished = self.scheduler.update(scheduled, results, prompt_logprobs)
         for req in finished:   # their grammar matchers go with them
             self.guides.forget_seqs([s.seq_id for s in (*req.seqs, *req.finished)])
         return finished
+
+    def _launch(self, scheduled) -> tuple[dict, object]:
+        """-> (its prompt logprobs, filled when the step runs; the launched step, or None: no work)."""
+        prompt_logprobs: dict = {}
+        if not scheduled.steps:
+            return prompt_logprobs, None
+        return prompt_logprobs, self.worker.launch(scheduled.steps, scheduled.samples, prompt_logprobs)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams],

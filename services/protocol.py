@@ -224,6 +224,8 @@ class SeqWork:
     start_pos: int
     # Draws wanted from this sequence's last logits: [seq_id, params_key, seq_index,
     # beam_candidates, num_output_tokens] each (several for the n samples of a fresh prompt).
+    # num_output_tokens counts the outputs the scheduler holds: with token_ids [PENDING_TOKEN] the
+    # draw is one further on (the one in flight comes first).
     samples: list[list] = field(default_factory=list)
 
 

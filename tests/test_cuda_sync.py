@@ -172,7 +172,7 @@ class FakeRunner:
     def __init__(self, fake: FakeCuda):
         self.fake = fake
 
-    def execute(self, steps, compute_logits=True, prompt_logprobs=None):
+    def execute(self, steps, compute_logits=True, prompt_logprobs=None, device_ids=None):
         self.fake.log.append(("forward",))
         return torch.empty(0, 8) if compute_logits else None
 

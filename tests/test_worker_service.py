@@ -142,6 +142,42 @@ class Scheduler:
         assert self.step([], freed=seq_ids, dropped_params=["greedy"]).results == []
         return outs
 
+    def send_step(self, seqs: list[protocol.SeqWork], **fields) -> int:
+        """A step's ops applied and its work sent; the answer is not read (-> its number)."""
+        ops, expected = self.mirror.drain()
+        self.step_no += 1
+        assert self.kv.apply(self.step_no, ops).results == expected
+        self.worker.send(protocol.ExecuteStep(self.step_no, seqs, table_updates=self.deltas(seqs), **fields))
+        return self.step_no
+
+    def generate_ahead(self, prompts: list[list[int]]) -> list[list[int]]:
+        """As generate, with every decode step planned ahead (async scheduling): step k+1, its
+        inputs PENDING_TOKEN in slots the mirror holds for them, is sent before the answer to step k
+        is read; the answer then sets those slots' tokens."""
+        seq_ids = [self.step_no * 100 + i for i in range(len(prompts))]
+        for s, p in zip(seq_ids, prompts):
+            assert self.mirror.allocate(s, p).ok
+        outs: list[list[int]] = [[] for _ in prompts]
+        sent = [self.send_step([protocol.SeqWork(s, p, 0, [[s, "greedy", 0, 0, 0]]) for s, p in zip(seq_ids, prompts)],
+                               new_params={"greedy": GREEDY.to_dict()})]
+        for k in range(MAX_NEW):
+            if k + 1 < MAX_NEW:   # step k + 1, planned before step k's tokens are known
+                for s in seq_ids:
+                    assert self.mirror.append_slots(s, [protocol.PENDING_TOKEN]).ok
+                sent.append(self.send_step([protocol.SeqWork(s, [protocol.PENDING_TOKEN], len(p) + k, [[s, "greedy", 0, 0, k]])
+                                            for s, p in zip(seq_ids, prompts)]))
+            reply = self.worker.receive()
+            assert isinstance(reply, protocol.StepResult) and reply.step == sent[k] and reply.error is None, reply
+            for out, r in zip(outs, reply.results):
+                out.append(r.token_id)
+            if k + 1 < MAX_NEW:
+                self.mirror.set_tokens(seq_ids, [len(p) + k for p in prompts], [out[-1] for out in outs])
+        for s in seq_ids:
+            self.mirror.free(s)
+            self.sent.pop(s)
+        assert self.step([], freed=seq_ids, dropped_params=["greedy"]).results == []
+        return outs
+
     def close(self) -> None:
         self.kv.close()
         self.worker.close()
@@ -158,10 +194,10 @@ def block_bytes(model: str, tp_size: int) -> int:
 
 
 class Served:
-    def __init__(self, model: str, tp_size: int):
+    def __init__(self, model: str, tp_size: int, *worker_flags: str):
         self.kv_ep, self.worker_ep, dist = free_endpoint(), free_endpoint(), free_endpoint()
         self.kvstore = start_kvstore(self.kv_ep, block_bytes(model, tp_size), tp_size)
-        self.workers = [start_worker(model, self.worker_ep, self.kv_ep, r, tp_size, dist)
+        self.workers = [start_worker(model, self.worker_ep, self.kv_ep, r, tp_size, dist, *worker_flags)
                         for r in range(tp_size)]
         self.sched = Scheduler(self.kv_ep, self.worker_ep)
         wait_ready(self.sched.worker, [self.kvstore, *self.workers])
@@ -202,6 +238,27 @@ def test_bad_messages_get_errors_and_the_worker_carries_on(served, expected):
     rpc.call(protocol.ExecuteStep(10_002, [], freed=[988]))
     assert isinstance(rpc.call(protocol.Ping("after")), protocol.Pong)
     assert served.sched.generate(PROMPTS[:1]) == expected[:1]         # and still computes right
+
+
+@pytest.mark.parametrize("launch_ahead", ["on", "off"])
+def test_steps_planned_ahead_take_the_last_draw_as_input(tiny_llama, expected, launch_ahead):
+    """Async scheduling through the worker process: each decode step arrives before the step it
+    follows is answered, its inputs PENDING_TOKEN. With --launch-ahead on the worker launches it
+    before answering (on CPU too, where auto would not); off, it answers first. Same tokens."""
+    s = Served(tiny_llama, 1, "--launch-ahead", launch_ahead)
+    try:
+        assert s.sched.generate_ahead(PROMPTS) == expected
+    finally:
+        s.close()
+
+
+def test_two_ranks_take_steps_planned_ahead(tiny_llama, expected):
+    """Under tensor parallelism rank 0 fills a step's pending inputs before forwarding it."""
+    s = Served(tiny_llama, 2)
+    try:
+        assert s.sched.generate_ahead(PROMPTS) == expected
+    finally:
+        s.close()
 
 
 def test_sigterm_stops_the_worker_with_exit_0(served):

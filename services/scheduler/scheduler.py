@@ -257,24 +257,33 @@ class Scheduler:
 
     def abandon(self, scheduled: ScheduledStep) -> None:
         """A step that will never be updated (its worker failed): its sequences' blocks go."""
-        self._done_with(scheduled)
-
-    def _done_with(self, scheduled: ScheduledStep) -> None:
-        if scheduled.ahead and any(s is scheduled for s in self._ahead):
-            self._ahead = [s for s in self._ahead if s is not scheduled]
+        if self._retire(scheduled):
             for step in scheduled.steps:
                 self._pending_slots.pop(step.seq_id, None)
+        self._release_held()
+
+    def _retire(self, scheduled: ScheduledStep) -> bool:
+        """A step planned ahead is answered (or abandoned): no longer in flight. Its rows for
+        sequences freed before it (stopped in the step before) were for nothing."""
+        if not (scheduled.ahead and any(s is scheduled for s in self._ahead)):
+            return False
+        self._ahead = [s for s in self._ahead if s is not scheduled]
         if self._held:
-            if scheduled.ahead:   # sequences that stopped in the step before: their rows were for nothing
-                mine = {step.seq_id for step in scheduled.steps}
-                self.stats["ahead_rows_dropped"] += sum(1 for seq_id in self._held if seq_id in mine)
-            busy = {step.seq_id for s in self._ahead for step in s.steps}
-            held, self._held = self._held, []
-            for seq_id in held:
-                if seq_id in busy:
-                    self._held.append(seq_id)
-                else:
-                    self.store.free(seq_id)
+            mine = {step.seq_id for step in scheduled.steps}
+            self.stats["ahead_rows_dropped"] += sum(1 for seq_id in self._held if seq_id in mine)
+        return True
+
+    def _release_held(self) -> None:
+        """Free the held sequences that no step in flight uses any more."""
+        if not self._held:
+            return
+        busy = {step.seq_id for s in self._ahead for step in s.steps}
+        held, self._held = self._held, []
+        for seq_id in held:
+            if seq_id in busy:
+                self._held.append(seq_id)
+            else:
+                self.store.free(seq_id)
 
     def _free(self, seq_id: int) -> None:
         """Free a sequence's blocks, or hold them while a step planned ahead still uses them."""
@@ -607,6 +616,8 @@ class Scheduler:
         now = self.clock()
         if self._pending_slots:
             self._set_pending_tokens(results)
+        if scheduled.ahead:
+            self._retire(scheduled)
         if prompt_logprobs:
             self._add_prompt_logprobs(scheduled, prompt_logprobs)
         bs, store = self.store.block_size, self.store
@@ -651,8 +662,7 @@ class Scheduler:
                 self._finish(req, None)
             if req.status is FINISHED:
                 finished.append(req)
-        if scheduled.ahead or self._held:
-            self._done_with(scheduled)
+        self._release_held()
         if finished and not self.has_unfinished():
             # Going idle: the empty pool, not the last busy step, stands for the time until the
             # next request (no step samples while nothing runs).

@@ -6,7 +6,6 @@ has not cached, and the tokens each router has not been sent yet. Owned by the s
 from __future__ import annotations
 
 from pagedserve.services import protocol
-from pagedserve.services.protocol import PENDING_TOKEN
 from pagedserve.services.scheduler.request import FINISHED, Request
 from pagedserve.services.scheduler.scheduler import ScheduledStep
 
@@ -49,14 +48,11 @@ class WorkerView:
                 new_params[key] = req.params.to_dict()
                 if req.params.uses_penalties:
                     self.with_history.add(key)
-            # A step planned ahead draws after the token in flight: one more output than the lists hold.
-            drawn = 1 if s.token_ids[0] == PENDING_TOKEN else 0
             if len(wanted) == 1:   # most steps of most sequences: no comprehension (a call of its own)
                 w = wanted[0]
-                samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids) + drawn]]
+                samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)]]
             else:
-                samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids) + drawn]
-                           for w in wanted]
+                samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)] for w in wanted]
             if key in self.with_history:
                 for w in wanted:
                     histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]

@@ -205,14 +205,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], compute_logits: bool = True,
-                prompt_logprobs: dict | None = None) -> torch.Tensor | None:
+                prompt_logprobs: dict | None = None, device_ids: tuple | None = None) -> torch.Tensor | None:
         """Run one step; logits [R, vocab] float32 for the steps with wants_logits, in order.
+
+        device_ids: (token indices [P], ids [P]), both on the device: those tokens' ids, which the
+        host does not have yet (a step planned ahead takes the last step's draw, still on the device).
 
         Steps with prompt_logprobs >= 0 also put {seq_id: [start_pos, entries]} in the
         prompt_logprobs dict given (see prompt_logprob_entries).
         compute_logits=False (tensor-parallel ranks > 0, which do not sample) only writes the KV
         cache and takes part in the collectives; it returns None."""
         shape = self.fill(steps)
+        if device_ids is not None:   # queued after fill's copy of the host buffer: it overwrites it
+            self.d.ids.index_copy_(0, *device_ids)
         hidden = self.graphs.replay(shape) if shape.graph else self.forward(shape)   # [T, hidden]
         if not compute_logits:
             return None

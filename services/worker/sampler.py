@@ -9,7 +9,7 @@ processing), as vLLM v1 returns by default.
 
 Randomness:
 - A row whose params carry a seed draws its noise from a generator seeded by
-  `derive_row_seed(seed, seq_index, len(output_token_ids))`: stateless, so the same row gives the
+  `derive_row_seed(seed, seq_index, number of outputs before this one)`: stateless, so the same row gives the
   same token whatever else is in the batch and after preemption with recompute.
 - Rows without a seed share one generator per call, itself seeded from `generator` (a CPU
   torch.Generator the caller owns, e.g. one per worker); when `generator` is None a module-level
@@ -17,6 +17,14 @@ Randomness:
 - Sampling is the exponential race: token = argmax(probs / E) with E ~ Exp(1) i.i.d. per token,
   which picks token i with probability probs[i]. E is drawn as -log(U), U ~ Uniform[0, 1): the
   same law as `exponential_`, about 6x faster on CPU, and never 0 (so no 0/0 on masked tokens).
+
+`sample_on_device` leaves the draw on the logits' device (a Draw) and waits for nothing on a GPU:
+the small per-step tensors it builds from Python lists travel through pinned memory without a sync
+(`_to_device`), so the worker can launch the next step, whose inputs are these tokens, before it
+reads them. `Draw.start_copy` starts their copy back; `Draw.to_host` waits for it. `sample` is the
+two in turn. (Still waiting for the device: a step with a top-p row that has no top-k, to learn
+whether its nucleus spills past the probe below; penalties and grammars, which no step planned
+ahead has; beam candidates.)
 
 Top-k keeps every token whose logit is at least the k-th largest (ties at the boundary are all kept,
 as in vLLM). Top-p keeps the smallest prefix of the sorted distribution whose mass reaches p.
@@ -43,6 +51,11 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seq_index: int = 0  # which of the request's n samples: seeded samples must differ
+    drawn: int = 0      # outputs drawn already, in a step still running, that output_token_ids lacks
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_token_ids) + self.drawn
 
 
 @dataclass
@@ -84,10 +97,56 @@ def derive_row_seed(seed: int, seq_index: int, step: int) -> int:
     return h >> 1
 
 
+@dataclass
+class Draw:
+    """One step's draw, on the logits' device until to_host."""
+    token_ids: torch.Tensor             # [S] int64
+    logprobs: torch.Tensor              # [S] float32, raw
+    top: tuple | None                   # (logprobs [A, k], ids [A, k]) of the rows asking
+    asking: list[int]                   # the rows that asked for top logprobs
+    ks: list[int]                       # how many each of them asked for
+    host: tuple | None = None           # start_copy's pinned copies and its event (CUDA)
+
+    def start_copy(self) -> None:
+        """CUDA: start copying the draw to pinned host memory, without waiting (to_host waits)."""
+        if self.token_ids.device.type != "cuda" or self.host is not None:
+            return
+        tensors = [self.token_ids, self.logprobs, *(self.top or ())]
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for dst, src in zip(pinned, tensors):
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.host = (pinned, done)
+
+    def to_host(self) -> SamplerOutput:
+        self.start_copy()
+        if self.host is not None:
+            pinned, done = self.host
+            done.synchronize()
+            token_ids, logprobs, *top = pinned
+        else:
+            token_ids, logprobs, top = self.token_ids, self.logprobs, self.top
+        tops: list[list[tuple[int, float]] | None] = [None] * len(token_ids)
+        if self.asking:
+            values, ids = top[0].tolist(), top[1].tolist()
+            for j, (i, k) in enumerate(zip(self.asking, self.ks)):
+                tops[i] = list(zip(ids[j][:k], values[j][:k]))
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs.tolist(), top_logprobs=tops)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Sequence[int] | None,
            generator: torch.Generator | None = None,
            allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
-    """Sample one token per row. logits [S, V] (one row per entry of `rows`) are not modified.
+    """Sample one token per row: sample_on_device, then to_host."""
+    return sample_on_device(logits, rows, eos_token_id, generator, allowed).to_host()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Sequence[int] | None,
+                     generator: torch.Generator | None = None,
+                     allowed: tuple[list[int], torch.Tensor] | None = None) -> Draw:
+    """Sample one token per row, left on the device. logits [S, V] (one row per entry of `rows`)
+    are not modified.
 
     `eos_token_id`: the model's EOS id, or several (some models end on any of a few), or None;
     only min_tokens uses it.
@@ -126,18 +185,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | Se
     # Raw logprobs: logit - logsumexp equals log_softmax without building an [S, V] tensor.
     lse = torch.logsumexp(raw, dim=-1)  # [S]
     sampled_logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - lse  # [S]
-    tops: list[list[tuple[int, float]] | None] = [None] * num_rows
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     max_k = min(max((rows[i].params.logprobs for i in asking), default=0), vocab)
+    top = None
     if asking:
         values, ids = torch.topk(_take_rows(raw, asking), max_k, dim=-1)  # [A, max_k], best first
-        values = (values - _take_rows(lse[:, None], asking)).tolist()
-        ids = ids.tolist()
-        for j, i in enumerate(asking):
-            k = rows[i].params.logprobs
-            tops[i] = list(zip(ids[j][:k], values[j][:k]))
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(),
-                         top_logprobs=tops)
+        top = (values - _take_rows(lse[:, None], asking), ids)
+    return Draw(token_ids, sampled_logprobs, top, asking, [rows[i].params.logprobs for i in asking])
 
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -160,7 +214,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_ids: tu
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        if r.num_output >= r.params.min_tokens:
             continue
         banned = set(r.params.stop_token_ids).union(eos_ids)
         row_idx.extend([i] * len(banned))
@@ -183,7 +237,7 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 biases.append(bias)
     if row_idx:
         rows_t, toks_t = _index(row_idx, logits.device), _index(tok_idx, logits.device)
-        logits[rows_t, toks_t] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        logits[rows_t, toks_t] += to_device(biases, logits.dtype, logits.device)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -243,16 +297,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not chosen:
         return
     sub = _take_rows(logits, chosen)  # [C, V]
-    k = torch.tensor([ks[i] for i in chosen], dtype=torch.long, device=device)[:, None]  # [C, 1]
+    k = to_device([ks[i] for i in chosen], torch.long, device)[:, None]  # [C, 1]
     # p = 1 rows get an infinite p so that rounding in the prefix sums can never trim them.
     top_p = [rows[i].params.top_p for i in chosen]
     p = _param_column([x if x < 1.0 else float("inf") for x in top_p], device)  # [C, 1]
     width = min(vocab, max(ks[i] if ks[i] < vocab else _TOP_P_PROBE for i in chosen))
-    cutoff, spilled = _cutoffs(sub, _ranked(sub, width), k, p)  # [C, 1], [C]
-    if bool(spilled.any()):
+    any_top_p = any(x < 1.0 for x in top_p)
+    cutoff, spilled = _cutoffs(sub, _ranked(sub, width), k, p, any_top_p)  # [C, 1], [C]
+    # Only a top-p row without a top-k can spill past the probe; asking whether one did waits for
+    # the device, so it is asked only when there is such a row.
+    if any(ks[i] >= vocab and rows[i].params.top_p < 1.0 for i in chosen) and bool(spilled.any()):
         again = spilled.nonzero().flatten()
         redo = sub[again]  # [C', V]
-        cutoff[again] = _cutoffs(redo, _ranked(redo, vocab), k[again], p[again])[0]
+        cutoff[again] = _cutoffs(redo, _ranked(redo, vocab), k[again], p[again], any_top_p)[0]
     sub.masked_fill_(sub < cutoff, float("-inf"))
     _put_rows(logits, chosen, sub)
 
@@ -269,17 +326,18 @@ def _ranked(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _cutoffs(logits: torch.Tensor, ranked: torch.Tensor, k: torch.Tensor,
-             p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             p: torch.Tensor, any_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row smallest kept logit [C, 1] after top-k then top-p, and which rows need a wider ranking [C].
 
     logits [C, V]; ranked [C, W] the W best of each row; k [C, 1] (k > W only for rows without a
-    top-k, which then have k = V); p [C, 1] (inf: no top-p).
+    top-k, which then have k = V); p [C, 1] (inf: no top-p); any_top_p: whether a row has one
+    (known on the host: asking the device would wait for it).
     """
     width = ranked.shape[1]
     has_k = k <= width  # [C, 1]
     cutoff = torch.where(has_k, ranked.gather(1, k.clamp(max=width) - 1),
                          torch.full_like(ranked[:, :1], float("-inf")))  # [C, 1] the k-th largest logit
-    if not bool(torch.isfinite(p).any()):
+    if not any_top_p:
         return cutoff, torch.zeros_like(has_k[:, 0])
     masked = ranked.masked_fill(ranked < cutoff, float("-inf"))  # [C, W]
     # top-p acts on the top-k law; a row without a top-k may not hold its whole law in `ranked`,
@@ -325,7 +383,7 @@ def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device
         if r.params.seed is None:
             continue
         row_gen = torch.Generator(device=device)
-        row_gen.manual_seed(derive_row_seed(r.params.seed, r.seq_index, len(r.output_token_ids)))
+        row_gen.manual_seed(derive_row_seed(r.params.seed, r.seq_index, r.num_output))
         # A standalone [V] draw: its values cannot depend on the row's position in the batch.
         uniform[i] = torch.rand(vocab, generator=row_gen, device=device)
     # U in [0, 1) gives -log(U) in (0, inf]: never 0, so masked tokens score 0 / E = 0, not NaN.
@@ -355,13 +413,21 @@ def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.
     return rows, toks
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A Python list as a tensor on `device`. On a GPU through pinned memory, without waiting: a
+    plain torch.tensor(..., device=cuda) waits for everything queued before it (the forward)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(values, torch.long, device)
 
 
 def _param_column(values: list[float], device: torch.device) -> torch.Tensor:
     """Per-row parameters as a float32 column [R, 1] that broadcasts over the vocabulary."""
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return to_device(values, torch.float32, device)[:, None]
 
 
 def _take_rows(t: torch.Tensor, chosen: list[int]) -> torch.Tensor:

@@ -31,7 +31,7 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from pagedserve.services.config_fields import at_least, positive
 from pagedserve.services.flags import add_flags, check_config, from_args, opt
 from pagedserve.services.heartbeat import Heartbeat
 from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
-from pagedserve.services.process import answer_requests, on_stop_signals, service_main
+from pagedserve.services.process import PeerWatch, on_stop_signals, service_main
 from pagedserve.services.worker.model_loader import ModelLoadError, inspect_model_dir, load_model, serving_dtype
 from pagedserve.services.worker.cuda_graphs import capture_decode_graphs
 from pagedserve.services.worker.model_runner import ModelRunner, SeqStep
@@ -94,6 +94,10 @@ class Config(cf.GrammarOptions):
     profile_seqs: int = opt(256, "sequences of the start-up profiling step (the scheduler's --max-num-seqs)",
                             check=at_least(1))
     enforce_eager: bool = cf.enforce_eager()
+    launch_ahead: str = opt("auto", "launch a step the scheduler planned ahead before answering the one before "
+                                    "it. auto: on CUDA, where a launch returns before the device is done; on "
+                                    "CPU a launch computes the step, and answering first is sooner",
+                            choices=("auto", "on", "off"))
     torch_threads: int = opt(0, "torch threads (0: torch's default)", check=at_least(0))
     seed: int = cf.seed()
     log_level: str = cf.log_level()
@@ -129,12 +133,24 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 # ---- the service core: messages in, messages out (no sockets) ----------------------------------
 
+@dataclass
+class Started:
+    """A request being answered: a reply ready, or a step begun (WorkerService.start)."""
+    reply: Any = None
+    step: protocol.ExecuteStep | None = None
+    launched: Any = None              # WorkerCore.Launched (rank 0)
+    error: str | None = None
+    began: float = 0.0
+    prompt_logprobs: dict = field(default_factory=dict)
+
+
 class WorkerService:
     """One rank's model, pool mapping and step state; rank 0 also has the sampler (WorkerCore)."""
 
     def __init__(self, runner: ModelRunner, core: WorkerCore | None, pool: BlockPool,
-                 tp: TensorParallel = SINGLE, sync=None):
+                 tp: TensorParallel = SINGLE, sync=None, launch_ahead: bool = False):
         self.runner, self.core, self.pool, self.tp = runner, core, pool, tp
+        self.launch_ahead = launch_ahead and tp.size == 1   # other ranks need a step's inputs on the host
         self.sync = sync or NoSync()   # CUDA: StepSync, this rank's half of kvstore/cuda_sync.py's contract
         self.inputs = StepInputs(pool.num_blocks, runner.spec.vocab_size)   # ids checked against both
         self.guides = core.guides if core is not None else None
@@ -143,11 +159,16 @@ class WorkerService:
 
     def handle(self, frames: list) -> Any:
         """Rank 0: request frames -> reply message. Raises only PeerLost."""
+        return self.finish(self.start(frames))
+
+    def start(self, frames: list) -> "Started":
+        """Rank 0: a request's frames -> its work begun: a step launched (on a GPU perhaps still
+        running), anything else answered. `finish` gives the reply. Raises only PeerLost."""
         try:
             msg = protocol.decode(frames)
         except protocol.ProtocolError as e:
             log.warning("rejected a malformed message: %s", e)
-            return protocol.Error(str(e), code=400)
+            return Started(protocol.Error(str(e), code=400))
         if isinstance(msg, protocol.ExecuteStep):
             if self.tp.size > 1 and any(w.token_ids == [protocol.PENDING_TOKEN] for w in msg.seqs):
                 # The other ranks have no draws of their own: they get this step with its inputs filled.
@@ -155,26 +176,30 @@ class WorkerService:
                     self.core.fill_pending(msg.seqs)
                 except PendingTokenError as e:
                     log.warning("step %d rejected: %s", msg.step, e)
-                    return protocol.StepResult(msg.step, [], str(e))
+                    return Started(protocol.StepResult(msg.step, [], str(e)))
                 frames = protocol.encode(msg)
             self.broadcast("step", frames)   # before running it: the others must join its collectives
-            return self.run_step(msg)
+            return self.start_step(msg)
         if isinstance(msg, protocol.Ping):
-            return protocol.Pong(sender=f"worker{self.tp.rank}", time=time.time(), role="worker")
+            return Started(protocol.Pong(sender=f"worker{self.tp.rank}", time=time.time(), role="worker"))
         if isinstance(msg, protocol.GetStats):
-            return protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size,
-                                        "steps": self.steps_run, "tables": len(self.inputs.tables),
-                                        "params": len(self.inputs.params),
-                                        **(self.guides.stats() if self.guides is not None else {})})
+            return Started(protocol.StatsReply({"rank": self.tp.rank, "tp_size": self.tp.size,
+                                                "steps": self.steps_run, "tables": len(self.inputs.tables),
+                                                "params": len(self.inputs.params),
+                                                **(self.guides.stats() if self.guides is not None else {})}))
         log.warning("rejected %s: not a worker request", type(msg).__name__)
-        return protocol.Error(f"the worker does not handle {type(msg).__name__}", code=404)
+        return Started(protocol.Error(f"the worker does not handle {type(msg).__name__}", code=404))
+
+    def pipelines(self, started: "Started") -> bool:
+        """Whether the next step may be launched before this one is answered (launch_ahead)."""
+        return self.launch_ahead and started.step is not None and started.error is None
 
     def run_step(self, msg: protocol.ExecuteStep) -> protocol.StepResult:
         """Apply the deltas, run the forward (and sample, on rank 0); errors become the reply's error."""
-        start = time.perf_counter()
-        results: list[SampleResult] = []
-        prompt_logprobs: dict = {}
-        error = None
+        return self.finish(self.start_step(msg))
+
+    def start_step(self, msg: protocol.ExecuteStep) -> "Started":
+        started = Started(step=msg, began=time.perf_counter())
         try:
             with self.sync.step():   # every step, on every rank, sampled or not (the ordering contract)
                 new = self.inputs.apply_deltas(msg)
@@ -183,29 +208,43 @@ class WorkerService:
                         if p.structured_outputs is not None:
                             self.guides.prepare(p.structured_outputs)
                 steps, samples = self.inputs.build(msg)
-                if steps:
-                    results = self._execute(steps, samples, prompt_logprobs)
-        except (StepError, PendingTokenError) as e:
-            log.warning("step %d rejected: %s", msg.step, e)
-            error = str(e)
-        except Exception as e:  # a model error fails this step, not the worker
-            log.exception("step %d failed", msg.step)
-            error = f"model error: {type(e).__name__}: {e}"
+                if steps and self.core is not None:
+                    started.launched = self.core.launch(steps, samples, started.prompt_logprobs)
+                elif steps:
+                    self.runner.execute(steps, compute_logits=False)   # ranks > 0: KV writes and collectives only
+        except Exception as e:
+            started.error = self._step_error(msg, e)
+        return started
+
+    def finish(self, started: "Started") -> Any:
+        """The reply to a started request: for a step, its tokens (waiting for its draw)."""
+        msg = started.step
+        if msg is None:
+            return started.reply
+        results: list[SampleResult] = []
+        try:
+            if started.error is None and started.launched is not None:
+                results = self.core.finish(started.launched)
+        except Exception as e:
+            started.error = self._step_error(msg, e)
         finally:
             self.inputs.drop_params(msg)
             if self.guides is not None:
                 self.guides.forget(msg.dropped_params)
         self.steps_run += 1
-        return protocol.StepResult(msg.step, results, error, time.perf_counter() - start,
-                                   prompt_logprobs if error is None else {},
+        error = started.error
+        return protocol.StepResult(msg.step, results if error is None else [], error,
+                                   time.perf_counter() - started.began,
+                                   started.prompt_logprobs if error is None else {},
                                    self.guides.cache.bytes if self.guides is not None else 0)
 
-    def _execute(self, steps: list[SeqStep], samples: list[list[SampleRequest]],
-                 prompt_logprobs: dict) -> list[SampleResult]:
-        if self.core is not None:
-            return self.core.execute(steps, samples, prompt_logprobs)
-        self.runner.execute(steps, compute_logits=False)   # ranks > 0: KV writes and collectives only
-        return []
+    @staticmethod
+    def _step_error(msg: protocol.ExecuteStep, e: Exception) -> str:
+        if isinstance(e, (StepError, PendingTokenError)):
+            log.warning("step %d rejected: %s", msg.step, e)
+            return str(e)
+        log.exception("step %d failed", msg.step)   # a model error fails this step, not the worker
+        return f"model error: {type(e).__name__}: {e}"
 
     def broadcast(self, kind: str, payload: Any = None) -> None:
         """Rank 0 -> the other ranks (nothing when alone); PeerLost when one is gone."""
@@ -367,7 +406,8 @@ def _build_service(config: Config, info: protocol.PoolInfo | None, tp: TensorPar
         guides = Guides(functools.partial(load_tokenizer, config.model), spec.vocab_size, spec.eos_token_ids,
                         **CompileCache.bounds_of(config))
         core = WorkerCore(runner, spec.eos_token_ids, seed=config.seed, guides=guides)
-    return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp))
+    ahead = config.launch_ahead == "on" or (config.launch_ahead == "auto" and runner.device.type == "cuda")
+    return WorkerService(runner, core, pool, tp, step_sync(info, config.rank, device, tp), launch_ahead=ahead)
 
 
 def step_sync(info: protocol.PoolInfo, rank: int, device: str, tp: TensorParallel):
@@ -431,15 +471,38 @@ def run(config: Config) -> int:
 
 
 def _serve(sock: zmq.Socket, service: WorkerService, stop: threading.Event, beat=None) -> int:
-    """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle."""
+    """Rank 0: block in poll (never spin); keep the other ranks' broadcast alive when idle.
+
+    A step the scheduler planned ahead (async scheduling) is already waiting when this one is
+    launched: it is launched too, its inputs the draw still on the device, before this one's tokens
+    are read and answered, so that the device goes from one step to the next without waiting for
+    the host (services/worker/worker_core.py)."""
     def keep_ranks_alive() -> None:
         if beat is not None:
             beat.tick()
         if time.monotonic() - service.last_broadcast >= HEARTBEAT_S:
             service.broadcast("beat")
 
-    answer_requests(sock, lambda frames: protocol.encode(service.handle(frames)), stop, log, POLL_MS,
-                    between=keep_ranks_alive)
+    scheduler = PeerWatch("scheduler", log)
+    current = None   # (identity, Started): begun, not answered yet
+    while not stop.is_set():
+        if current is None:
+            if not sock.poll(POLL_MS, zmq.POLLIN):
+                scheduler.check()
+                keep_ranks_alive()
+                continue
+            scheduler.seen()
+            identity, *frames = sock.recv_multipart()
+            current = (identity, service.start(frames))
+        following = None
+        if service.pipelines(current[1]) and sock.poll(0, zmq.POLLIN):
+            identity, *frames = sock.recv_multipart()
+            following = (identity, service.start(frames))
+        sock.send_multipart([current[0], *protocol.encode(service.finish(current[1]))])
+        current = following
+        keep_ranks_alive()
+    if current is not None:   # stopped with a step launched: it is answered all the same
+        sock.send_multipart([current[0], *protocol.encode(service.finish(current[1]))])
     log.info("stopping")
     try:
         service.broadcast("stop")
