@@ -418,3 +418,5 @@ def test_list_lengths_are_read_before_the_body_is_parsed():
     assert "not valid JSON" in refusal(b"not json")
     assert "nested more than" in refusal(b'{"prompt": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}")
     assert "nested more than" in refusal(b"[" * 60_000 + b"]" * 60_000)
+    for not_an_object in (b"null", b"[]", b"3", b'"x"'):
+        assert refusal(not_an_object) == "The request body must be a JSON object"

@@ -186,16 +186,17 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: BodyLimits | None = N
     """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape. The limits
     are checked before anything is parsed."""
     _check_limits(raw, limits or BodyLimits())
+    too_deep = False
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     except RecursionError:      # the decoder recursed past Python's limit (depth ~1000)
-        data = None
-    if data is not None and not isinstance(data, dict):
+        data, too_deep = {}, True
+    if not isinstance(data, dict):   # (a body of `null` too: found by a black-box check)
         raise bad_request("The request body must be a JSON object")
     # Validation (and any later walk of the body) recurses too: a bound keeps a deep body a 400.
-    if data is None or _depth_exceeds(raw, data, MAX_JSON_DEPTH):
+    if too_deep or _depth_exceeds(raw, data, MAX_JSON_DEPTH):
         raise bad_request(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep")
     # The JSON escape \ud800 decodes to a str that no later step can encode (a 500, or a garbled
     # error message): refused here, for every field at once.
