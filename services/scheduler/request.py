@@ -90,6 +90,7 @@ class Request:
     # X-Request-Id) before the worker was told to drop the last one's params.
     params_key: str = ""
     final_len: int = 0                 # prompt + true output length (or max_tokens), capped by the context
+    plans_blind: bool = False          # a step may be planned before its last tokens are known
 
     @property
     def needs_prompt_logprobs(self) -> bool:

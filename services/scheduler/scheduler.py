@@ -158,6 +158,9 @@ class Scheduler:
                                   eos_token_ids=() if params.ignore_eos else self.config.eos_token_ids,
                                   num_return=params.n, new_beam_id=lambda: next(self._seq_ids))
             req.beam.start(req.seqs[0].seq_id)
+        # Whether a step can be planned for it before its last tokens are known (schedule_ahead).
+        req.plans_blind = (req.beam is None and params.structured_outputs is None and not params.uses_penalties
+                           and params.prompt_logprobs is None)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -213,15 +216,14 @@ class Scheduler:
         grow_requests: list[Request] = []
         max_len = self._max_model_len
         for req in self.running:
-            p = req.params
-            if req.beam is not None or p.structured_outputs is not None or p.uses_penalties \
-                    or p.prompt_logprobs is not None:
+            if not req.plans_blind:
                 return None
+            max_tokens = req.params.max_tokens
             for seq in req.seqs:
                 if seq.seq_id not in drawing:
                     return None
                 n_out = len(seq.output_token_ids) + 1   # with the token it draws in flight
-                if n_out < p.max_tokens and len(seq.prompt_token_ids) + n_out < max_len:
+                if n_out < max_tokens and len(seq.prompt_token_ids) + n_out < max_len:
                     grow.append(seq)
                     grow_requests.append(req)
         budget = [self.config.max_num_batched_tokens - len(grow)]
@@ -239,7 +241,7 @@ class Scheduler:
             pos = seq.num_tokens          # the in-flight token's position
             pending[seq.seq_id] = pos
             out.steps.append(SeqStep(seq.seq_id, [PENDING_TOKEN], pos, table(seq.seq_id)))
-            out.samples.append(self._sample_requests(req, seq, out))
+            out.samples.append(seq.sample_requests or self._sample_requests(req, seq, out))
             out.computed.append((seq, 1))
             out.step_requests.append(req)
             if req is not last_req:
