@@ -19,6 +19,7 @@ import re
 import time
 import uuid
 
+import anyio
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -251,6 +252,10 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.start()
+        # Starlette streams a response inside an anyio task group, and anyio imports its asyncio
+        # backend (~15 ms) on first use: here, rather than in the first stream's first chunk.
+        async with anyio.create_task_group():
+            pass
         try:
             yield
         finally:
