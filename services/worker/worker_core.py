@@ -131,15 +131,9 @@ class WorkerCore:
             starts.append(starts[-1] + len(step.token_ids))
         index, picks = [], []
         for i in pending:
-            step = steps[i]
-            n = self.last_draw[1].get(step.seq_id) if self.last_draw is not None else None
-            if n is None or len(step.token_ids) != 1:
-                raise PendingTokenError(f"seq {step.seq_id}: its input is the token it drew in the last "
-                                        "step, but it drew none there" if n is None else
-                                        f"seq {step.seq_id}: a pending token must be the step's only one")
-            step.token_ids = [0]
+            picks.append(self._drawn_at(steps[i]))
+            steps[i].token_ids = [0]
             index.append(starts[i])
-            picks.append(n)
         drawn = self.last_draw[0]
         return to_device(index, torch.long, drawn.device), drawn.index_select(0, to_device(picks, torch.long, drawn.device))
 
@@ -147,14 +141,19 @@ class WorkerCore:
         """Host side, for the other tensor-parallel ranks' copy of a step: each PENDING_TOKEN input
         of `items` (SeqWork: .seq_id, .token_ids) becomes its sequence's last draw (waits for it)."""
         tokens = self.last_draw[0].tolist() if self.last_draw is not None else []
-        index = self.last_draw[1] if self.last_draw is not None else {}
         for item in items:
             if item.token_ids and item.token_ids[0] == PENDING_TOKEN:
-                n = index.get(item.seq_id)
-                if n is None or len(item.token_ids) != 1:
-                    raise PendingTokenError(f"seq {item.seq_id}: its input is the token it drew in the last "
-                                            "step, but it drew none there")
-                item.token_ids = [tokens[n]]
+                item.token_ids = [tokens[self._drawn_at(item)]]
+
+    def _drawn_at(self, item) -> int:
+        """Where the last draw holds the token of item (a step whose input is PENDING_TOKEN)."""
+        n = self.last_draw[1].get(item.seq_id) if self.last_draw is not None else None
+        if n is None:
+            raise PendingTokenError(f"seq {item.seq_id}: its input is the token it drew in the last step, "
+                                    "but it drew none there")
+        if len(item.token_ids) != 1:
+            raise PendingTokenError(f"seq {item.seq_id}: a pending token must be the step's only one")
+        return n
 
     def _start_masks(self, reqs: list[SampleRequest]):
         if self.guides is None:
