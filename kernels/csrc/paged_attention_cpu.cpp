@@ -10,8 +10,8 @@
 // dtype. The causal limit of a row is a prefix of each block, so no mask is built.
 //
 // Only portable flags are assumed (kernels/cpu_ops.py adds -march=native where the compiler has
-// it): the inner loops are written on 16-float vector-extension types that gcc and clang lower to
-// AVX-512, AVX2, SSE or NEON. Threads are ATen's (at::parallel_for over work items), so
+// it): the inner loops are written on W-float vector-extension types (W = 16 with AVX-512, else 8)
+// that gcc and clang lower to AVX-512, AVX2, SSE or NEON. Threads are ATen's (at::parallel_for over work items), so
 // torch.set_num_threads governs them and no second OpenMP runtime is linked.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -40,13 +40,21 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// 16 floats in GCC/Clang vector-extension types: one AVX-512 register, two AVX2 ones, four NEON
-// ones; the compiler lowers them to whatever -march allows, so no intrinsics tie us to one ISA.
+// W floats in GCC/Clang vector-extension types; the compiler lowers them to whatever -march allows,
+// so no intrinsics tie us to one ISA. W is one register's width where AVX-512 has 16 floats, and 8
+// elsewhere (one AVX2 register, two NEON ones): 16-float types on AVX2 made score_keys' W
+// accumulators 32 registers of 16, and their spills made decode 2.3-3.5x slower (0.85 vs 2.9 ms,
+// 64 sequences x 192 keys, 4/2 heads, one thread).
+#if defined(__AVX512F__)
+#define W_IS_16 1
 constexpr int64_t W = 16;
+#else
+#define W_IS_16 0
+constexpr int64_t W = 8;
+#endif
 typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
-typedef float vhalf __attribute__((vector_size(W / 2 * sizeof(float))));
-typedef float vquarter __attribute__((vector_size(W / 4 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -58,29 +66,27 @@ inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 // operand, `x * v`, since `vfloat{} + x` is a scalar add (0 + -0 is +0) before the broadcast.
 inline vfloat splat(float x) { return vfloat{} + x; }
 
-// Sum of the 16 lanes by halving (a tree of shuffles and adds, not 15 dependent scalar adds).
+// Sum of the W lanes: the 4-lane quarters added together, then a short tree.
 inline float hsum(vfloat v) {
-  vhalf lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  lo += hi;
-  vquarter a, b;
-  std::memcpy(&a, &lo, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&lo) + sizeof(a), sizeof(b));
-  a += b;
+  v4 a;
+  std::memcpy(&a, &v, sizeof(a));
+  for (int64_t i = 1; i < W / 4; ++i) {
+    v4 b;
+    std::memcpy(&b, reinterpret_cast<const char*>(&v) + i * sizeof(b), sizeof(b));
+    a += b;
+  }
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-// Largest of the 16 lanes, by the same halving.
+// Largest of the W lanes, the same way.
 inline float hmax(vfloat v) {
-  vhalf lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  lo = lo > hi ? lo : hi;
-  vquarter a, b;
-  std::memcpy(&a, &lo, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&lo) + sizeof(a), sizeof(b));
-  a = a > b ? a : b;
+  v4 a;
+  std::memcpy(&a, &v, sizeof(a));
+  for (int64_t i = 1; i < W / 4; ++i) {
+    v4 b;
+    std::memcpy(&b, reinterpret_cast<const char*>(&v) + i * sizeof(b), sizeof(b));
+    a = a > b ? a : b;
+  }
   return std::max(std::max(a[0], a[2]), std::max(a[1], a[3]));
 }
 
@@ -118,7 +124,7 @@ struct Geometry {
 // Query positions per work item: rows = TILE * G stay few enough that their accumulators
 // ([rows, D] floats) live in L1 next to one block of K and V.
 constexpr int64_t kQueryTile = 16;
-// From this many rows on, a block's keys are transposed ([D, B]) so that scores come out 16 keys
+// From this many rows on, a block's keys are transposed ([D, B]) so that scores come out W keys
 // to a vector (one FMA per dimension, no horizontal sum); the transpose costs B * D moves per
 // block, which pays for itself only over many rows. Decode (rows = G) takes dot products instead.
 constexpr int64_t kTransposeRows = 16;
@@ -168,11 +174,12 @@ inline void score_dot(const float* qr, const float* kb, int64_t ks, int64_t nr, 
 }
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-reduce tree of 15
-// shuffle pairs and adds, where 16 horizontal sums take ~7 dependent operations each. Each level
-// halves the lanes per key: after level 1 a vector holds two keys' partials (8 lanes each), after
-// level 4 sixteen keys (1 lane each), in order.
-inline vfloat hsum16(const vfloat* v) {
+// Lane j of the result is the sum of the W lanes of v[j]: a transpose-reduce tree of W - 1
+// shuffle pairs and adds, where W horizontal sums take ~log2(W) + 3 dependent operations each.
+// Each level halves the lanes per key: for W = 16, after level 1 a vector holds two keys' partials
+// (8 lanes each), after level 4 sixteen keys (1 lane each), in order.
+#if W_IS_16
+inline vfloat hsum_lanes(const vfloat* v) {
   vfloat a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
     a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -186,8 +193,22 @@ inline vfloat hsum16(const vfloat* v) {
   return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+// W = 8: the same tree, three levels.
+inline vfloat hsum_lanes(const vfloat* v) {
+  vfloat a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
-// score_dot with the 16 keys of a vector summed together (hsum16): decode's few rows per block
+// score_dot with the W keys of a vector summed together (hsum_lanes): decode's few rows per block
 // spent as much on horizontal sums as on the products themselves.
 template <int64_t D>
 inline void score_keys(const float* qr, const float* kb, int64_t ks, int64_t nr, float* score) {
@@ -207,7 +228,7 @@ inline void score_keys(const float* qr, const float* kb, int64_t ks, int64_t nr,
       for (int64_t c = 1; c < C; ++c) s += qv[c] * load(kr + c * W);
       acc[j] = s;
     }
-    store(score + t0, hsum16(acc));
+    store(score + t0, hsum_lanes(acc));
   }
 }
 #else
@@ -218,7 +239,7 @@ inline void score_keys(const float* qr, const float* kb, int64_t ks, int64_t nr,
 #endif
 
 // One (sequence, query tile, kv head): rows = num_q query positions x G heads. D is a template
-// parameter so that a row's query and accumulator (D / 16 vectors each) stay in registers.
+// parameter so that a row's query and accumulator (D / W vectors each) stay in registers.
 template <typename T, int64_t D>
 void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
                  const int32_t* table, int64_t seq, int64_t kv_head, int64_t q_first,
