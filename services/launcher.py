@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.config_fields import allocation_check, at_least, positive
@@ -55,7 +56,7 @@ class Config(RouterOptions):
                                aliases=["--tensor-parallel", "-tp"], check=at_least(1))
     max_num_seqs: int = cf.max_num_seqs()
     max_num_batched_tokens: int = cf.max_num_batched_tokens()
-    worker_threads: int = opt(0, "torch threads per worker; 0 = auto (on CPU every core but one, split between the ranks)",
+    worker_threads: int = opt(0, "torch threads per worker; 0 = auto (on CPU every core but one, or every core from 64 MiB of weights on; split between the ranks)",
                               check=at_least(0))
     enable_prefix_caching: bool = opt(True, "find full KV blocks again by the hash of their tokens",
                                       aliases=["--prefix-caching"])
@@ -138,7 +139,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                "--max-model-len", str(spec.max_model_len)]
                               + ([] if cfg.enable_prefix_caching else ["--no-prefix-caching"]))]
     dist = f"tcp://127.0.0.1:{_free_port()}"
-    threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
+    threads = worker_threads(cfg, model)
     for rank in range(cfg.tensor_parallel):
         procs.append((f"worker{rank}", py + ["pagedserve.services.worker.service", "--model", model, "--rank", str(rank),
                                              "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
@@ -194,17 +195,35 @@ def supervised(cfg: Config, name: str, argv: list[str], run_dir: str, threads: i
     return Child(name, argv, threads if name.startswith("worker") else 1, **probe)
 
 
-def worker_threads_auto(device: str, tp: int) -> int:
-    """On CPU the workers get every core but one, split between the ranks (at least one each): the
-    router and the client of a saturated server compute while the worker does (SSE events, the
-    detokenizer), and OpenMP threads that find their core taken wait for it. On 2 cores, vLLM's own
-    client at saturation (64 x 128 -> 128, benchmarks/peers/ours_bench.sh, alternating, two
-    sittings): 1 worker thread 3,456 / 3,993 / 3,013 / 3,456 out tok/s, 2 threads 3,105 / 2,590 /
-    3,052 / 2,662 (median 3,456 against 2,857)."""
+# Weights (bytes on disk) from which a CPU worker takes every core: its step's matrix products then
+# outweigh what the router and the client do per token. Between the two models measured below.
+ALL_CORES_WEIGHT_BYTES = 64 << 20
+
+
+def worker_threads(cfg: Config, model: str) -> int:
+    """--worker-threads, or when 0 what worker_threads_auto picks for this model's weights."""
+    if cfg.worker_threads:
+        return cfg.worker_threads
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    return worker_threads_auto(cfg.device, cfg.tensor_parallel, weights)
+
+
+def worker_threads_auto(device: str, tp: int, weight_bytes: int) -> int:
+    """CPU threads per worker, split between the ranks (at least one each). A small model's workers
+    get every core but one: the router and the client of a saturated server compute while the
+    worker does (SSE events, the detokenizer), and OpenMP threads that find their core taken wait
+    for it. From ALL_CORES_WEIGHT_BYTES of weights on, the workers get every core: the matrix
+    products are the step, and the router has few tokens a second to send.
+
+    Measured on 2 cores with vLLM's own client at saturation (bench_peer, 2026-12-07, AVX2):
+    the reference model (9 MB of weights, 64 x 128 -> 128): 1 thread 2,895 / 3,964 out tok/s,
+    2 threads 2,400 / 2,156; the 94M Llama (378 MB, 32 x 128 -> 128): 1 thread 145 / 141,
+    2 threads 163."""
     if device != "cpu":
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, (cores - 1) // tp)
+    spare = 0 if weight_bytes >= ALL_CORES_WEIGHT_BYTES else 1
+    return max(1, (cores - spare) // tp)
 
 
 def _free_port() -> int:
@@ -248,7 +267,7 @@ def run(cfg: Config) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     sup = Supervisor(cfg.hang_timeout_s, cfg.ready_timeout_s)
     try:
-        threads = cfg.worker_threads or worker_threads_auto(cfg.device, cfg.tensor_parallel)
+        threads = worker_threads(cfg, model)
         for name, argv in process_commands(cfg, model, run_dir):
             sup.add(supervised(cfg, name, argv, run_dir, threads))
         urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(cfg.routers)]

@@ -168,6 +168,20 @@ def test_the_launcher_passes_its_router_settings_down(tmp_path, tiny_llama):
         (["sk-secret"], 5, 30.0, ["https://a.example"], "tiny-x", 2.0, 9, 4)
 
 
+def test_cpu_workers_leave_a_core_to_a_small_model_and_take_every_core_for_a_large_one(monkeypatch, tmp_path, tiny_llama):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    big = launcher.ALL_CORES_WEIGHT_BYTES
+    assert launcher.worker_threads_auto("cpu", 1, big - 1) == 3
+    assert launcher.worker_threads_auto("cpu", 1, big) == 4
+    assert launcher.worker_threads_auto("cpu", 2, big - 1) == 1 and launcher.worker_threads_auto("cpu", 2, big) == 2
+    assert launcher.worker_threads_auto("cpu", 8, big) == 1          # at least one each
+    assert launcher.worker_threads_auto("cuda", 1, big) == 1
+    assert launcher.worker_threads(serve(tiny_llama), tiny_llama) == 3          # the tiny model's weights are small
+    assert launcher.worker_threads(serve(tiny_llama, "--worker-threads", "2"), tiny_llama) == 2
+    argv = dict(launcher.process_commands(serve(tiny_llama), tiny_llama, str(tmp_path)))["worker0"]
+    assert argv[argv.index("--torch-threads") + 1] == "3"
+
+
 @pytest.mark.parametrize("flags,tier", [((), "whole"), (("--kv-offloading-size", "0"), 0),
                                         (("--kv-offloading-size", "0.001"), "size"),
                                         (("--kv-offloading-size", "100"), "whole")])
