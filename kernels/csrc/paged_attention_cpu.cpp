@@ -128,7 +128,11 @@ constexpr int64_t kQueryTile = 16;
 // to a vector (one FMA per dimension, no horizontal sum); the transpose costs B * D moves per
 // block, which pays for itself only over many rows. Decode (rows = G) takes dot products instead.
 constexpr int64_t kTransposeRows = 16;
-constexpr int64_t kRowBlock = 4;  // rows scored together against one transposed block
+// Rows scored together against one transposed block: 8, padded with zero queries. Their scores
+// are kept in 8 vector accumulators, 4 rows x 2 vectors of keys where a block has two (or more)
+// vectors of keys, else 8 rows x 1: each accumulator takes one FMA per dimension, and with fewer
+// than ~8 of them the loop waits on FMA latency rather than issuing (4 x 1 ran at half the rate).
+constexpr int64_t kRowBlock = 8;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -141,18 +145,24 @@ struct Scratch {
   }
 };
 
-// Scores of rows [r0, r0 + kRowBlock) against keys [0, BW) of a transposed block kt [D, BW]:
-// score [rows, BW]. Rows past `rows` have zero queries (qf is padded), so they cost but do no harm.
-template <int64_t D>
+// Scores of rows [r0, r0 + R) against keys [0, BW) of a transposed block kt [D, BW], NV vectors of
+// keys at a time (BW a multiple of NV * W): score [rows, BW]. Rows past `rows` have zero queries
+// (qf is padded), so they cost but do no harm.
+template <int64_t D, int64_t R, int64_t NV>
 inline void score_transposed(const float* qf, const float* kt, int64_t r0, int64_t n, int64_t BW,
                              float* score) {
-  for (int64_t t0 = 0; t0 < n; t0 += W) {
-    vfloat s[kRowBlock] = {};
+  for (int64_t t0 = 0; t0 < n; t0 += NV * W) {
+    vfloat s[R][NV] = {};
     for (int64_t d = 0; d < D; ++d) {
-      const vfloat k = load(kt + d * BW + t0);
-      for (int64_t j = 0; j < kRowBlock; ++j) s[j] += qf[(r0 + j) * D + d] * k;
+      vfloat k[NV];
+      for (int64_t v = 0; v < NV; ++v) k[v] = load(kt + d * BW + t0 + v * W);
+      for (int64_t j = 0; j < R; ++j) {
+        const float qd = qf[(r0 + j) * D + d];
+        for (int64_t v = 0; v < NV; ++v) s[j][v] += qd * k[v];
+      }
     }
-    for (int64_t j = 0; j < kRowBlock; ++j) store(score + (r0 + j) * BW + t0, s[j]);
+    for (int64_t j = 0; j < R; ++j)
+      for (int64_t v = 0; v < NV; ++v) store(score + (r0 + j) * BW + t0 + v * W, s[j][v]);
   }
 }
 
@@ -206,6 +216,31 @@ inline vfloat hsum_lanes(const vfloat* v) {
   return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
          __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
+#endif
+
+#if !W_IS_16
+// dst[i * ld_dst + t] = src[t * ld_src + i] for an 8 x 8 tile (W = 8, floats): the rows loaded
+// once and transposed in registers by three levels of shuffles. Copying element by element read a
+// key per float and wrote a column, 13 % of a prefill over a cached prefix (AVX2).
+inline void transpose_tile(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  vfloat r[8], t[8], u[8];
+  for (int j = 0; j < 8; ++j) r[j] = load(src + j * ld_src);
+  for (int k = 0; k < 4; ++k) {   // pairs of rows interleaved, one float at a time
+    t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int b = 0; b < 8; b += 4) {   // then two floats at a time
+    u[b] = __builtin_shufflevector(t[b], t[b + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[b + 1] = __builtin_shufflevector(t[b], t[b + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[b + 2] = __builtin_shufflevector(t[b + 1], t[b + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[b + 3] = __builtin_shufflevector(t[b + 1], t[b + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int k = 0; k < 4; ++k) {   // then four
+    store(dst + k * ld_dst, __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    store(dst + (k + 4) * ld_dst, __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+#define HAVE_TRANSPOSE_TILE 1
 #endif
 
 // score_dot with the W keys of a vector summed together (hsum_lanes): decode's few rows per block
@@ -309,10 +344,25 @@ void attend_item(const Geometry& g, const T* q, const T* k_cache, const T* v_cac
     if (transpose) {
       // kbuf becomes K^T [D, BW], keys past n zero; every row's scores for the block at once.
       const T* ks = k_cache + off;
-      for (int64_t i = 0; i < D; ++i)
-        for (int64_t t = 0; t < n; ++t) kbuf[i * BW + t] = to_float(ks[t * g.c_s1 + i]);
+      bool tiled = false;
+#ifdef HAVE_TRANSPOSE_TILE
+      if constexpr (std::is_same_v<T, float>) {
+        if (n % W == 0) {
+          for (int64_t t = 0; t < n; t += W)
+            for (int64_t i = 0; i < D; i += W) transpose_tile(ks + t * g.c_s1 + i, g.c_s1, kbuf + i * BW + t, BW);
+          tiled = true;
+        }
+      }
+#endif
+      if (!tiled)
+        for (int64_t t = 0; t < n; ++t)   // each key's row read in order, its column written
+          for (int64_t i = 0; i < D; ++i) kbuf[i * BW + t] = to_float(ks[t * g.c_s1 + i]);
       for (int64_t i = 0; i < D; ++i) std::fill(kbuf + i * BW + n, kbuf + (i + 1) * BW, 0.0f);
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) score_transposed<D>(qf, kbuf, r0, n, BW, score);
+      if (BW % (2 * W) == 0) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) score_transposed<D, 4, 2>(qf, kbuf, r0, n, BW, score);
+      } else {
+        for (int64_t r0 = 0; r0 < rows; r0 += 8) score_transposed<D, 8, 1>(qf, kbuf, r0, n, BW, score);
+      }
     } else if constexpr (!std::is_same_v<T, float>) {
       for (int64_t t = 0; t < n; ++t) {
         const T* ks = k_cache + off + t * g.c_s1;
