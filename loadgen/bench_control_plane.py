@@ -10,8 +10,11 @@ answers each scheduled sample with a token at once. Per decode step it times:
              the op log, build and encode the ExecuteStep (services.scheduler.stepper.WorkerView),
              check the kvstore's reply, decode the worker's StepResult, update, and build and encode
              the routers' RequestUpdates (the fake worker's own encoding is not counted)
-and, to say where the time goes, the scheduler core alone (schedule + update) and the replay alone
-(apply_ops in this process on a pool-less replica, the kvstore's share of the exchange).
+and, to say where the time goes, the scheduler core alone (schedule + update), the replay alone
+(apply_ops in this process on a pool-less replica, the kvstore's share of the exchange), and the
+whole step by phase: schedule, send ops (drain and send the op log), worker step (build and encode
+the ExecuteStep), reply wait (the kvstore's answer, checked), decode (the StepResult), update,
+router (build and encode the RequestUpdates).
 
     python -m pagedserve.loadgen.bench_control_plane [--seqs 1 64 256] [--steps 200] [--prompt-len 32] [--profile]
 """
@@ -41,6 +44,11 @@ class Timings:
     step: list[float] = field(default_factory=list)
     core: list[float] = field(default_factory=list)
     replay: list[float] = field(default_factory=list)
+    # the whole step by phase, in order: name -> seconds per step
+    phases: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name in PHASES})
+
+
+PHASES = ("schedule", "send ops", "worker step", "reply wait", "decode", "update", "router")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -135,6 +143,8 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
                 t.step.append((built - t0) + (t4 - t3))
                 t.core.append((t1 - t0) + (t5 - t6))
                 t.replay.append(r1 - r0)
+                for name, dt in zip(PHASES, (t1 - t0, sent - t1, built - sent, t2 - t3, t6 - t2, t5 - t6, t4 - t5)):
+                    t.phases[name].append(dt)
                 if profile is not None and len(t.step) == 1:
                     profile.enable()
                 if len(t.step) >= steps:
@@ -184,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{statistics.median(xs) * ms:6.3f} / {pct(xs, 0.99) * ms:6.3f}"
                  for xs in (t.exchange, t.step, t.core, t.replay)]
         print(f"{t.seqs:>5} {statistics.mean(t.ops_per_step):>8.1f} " + " ".join(f"{c:>15}" for c in cells))
+    print(f"\nwhere the whole step goes, median ms per phase: " + ", ".join(PHASES))
+    for t in rows:
+        print(f"{t.seqs:>5} " + " ".join(f"{statistics.median(t.phases[name]) * ms:7.3f}" for name in PHASES))
     if profile is not None:
         import pstats
         pstats.Stats(profile).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(25)
