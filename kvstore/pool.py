@@ -2,7 +2,7 @@
 
 A BlockPool owns one buffer. On CPU it is NAMED POSIX shared memory, so an unrelated process (a
 worker) can map the same bytes by name; on CUDA it is a plain device tensor that workers map through
-CUDA IPC handles (kvstore/service.py). A CPU pool that swaps with a CUDA one is pinned (pin()). The pool knows nothing about models: `blocks` is torch.uint8 [num_blocks, block_bytes]
+CUDA IPC handles (services/kvstore/service.py). A CPU pool that swaps with a CUDA one is pinned (pin()). The pool knows nothing about models: `blocks` is torch.uint8 [num_blocks, block_bytes]
 and workers reinterpret it (docs/INTERFACES.md, "Tensor layout of the KV pools").
 
 Lifetime rules on CPU (see ../shared/ENVIRONMENT.md):
@@ -113,6 +113,15 @@ class BlockPool:
             raise ValueError(f"pool {self.name} was attached, not created, here: its creator unlinks it")
         self._shm.unlink()
         _created_here.discard(self.name)
+
+    def copy_within(self, pairs: list[tuple[int, int]]) -> None:
+        """copy_within(self, pairs): the block store calls the pools it was given, and so never
+        imports this module (the scheduler's pool-less mirror runs without torch)."""
+        copy_within(self, pairs)
+
+    def copy_to(self, dst_pool: "BlockPool", pairs: list[tuple[int, int]]) -> None:
+        """copy_between(self, dst_pool, pairs), for the block store as copy_within."""
+        copy_between(self, dst_pool, pairs)
 
     def _live_blocks(self) -> torch.Tensor:
         if self.blocks is None:

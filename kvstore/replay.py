@@ -22,14 +22,13 @@ from typing import Any
 
 from pagedserve.kvstore.block_table import DEVICE, HOST
 from pagedserve.kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult, wire_keys
-from pagedserve.services.protocol import ProtocolError
 
 OPS = ("allocate", "append_slots", "append_tokens", "set_tokens", "mark_computed", "fork", "free", "swap_out",
        "swap_in")
 
 
-class ReplayError(ProtocolError):
-    """A malformed op log: nothing of it was applied."""
+class ReplayError(ValueError):
+    """A malformed op log: nothing of it was applied (the kvstore answers it as a malformed request)."""
 
 
 class ReplicaDiverged(RuntimeError):
@@ -48,9 +47,9 @@ _NO_COPIES = [True, []]  # the result of nearly every append: shared, never muta
 
 def encode_result(r: Any) -> Any:
     """A store result -> plain lists that survive msgpack unchanged (so mirror == replica)."""
-    if r is None:
-        return None
     kind = type(r)
+    if r is None or kind is bool:   # bool: mark_computed's "a block was keyed", not part of a reply
+        return None
     if (kind is AppendResult or kind is BatchAppendResult) and not r.copies:
         return _NO_COPIES if r.ok else [False, []]
     if kind is AppendResult:
@@ -70,7 +69,7 @@ def encode_result(r: Any) -> Any:
 # Read-only methods, bound straight onto the wrapper: the scheduler calls some of them per sequence
 # per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
 _READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "swap_in_blocks_needed", "can_swap_out",
-          "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "num_tokens_of", "location", "token_ids", "slot_mapping",
+          "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "num_tokens_of", "location", "token_ids", "last_token_ids", "slot_mapping",
           "refcount", "evictable_blocks", "block_hash", "stats", "kv_usage", "check_invariants", "snapshot")
 
 
@@ -126,8 +125,8 @@ class RecordingStore:
         n = len(token_ids)
         if r.ok and n:
             # The store's own copy of the new tokens: already plain ints, and a slice is cheaper
-            # than converting them again (this runs for every running sequence every step).
-            self._ops.append(["append_slots", int(seq_id), self.store._seqs[seq_id].token_ids[-n:]])
+            # than converting them again.
+            self._ops.append(["append_slots", int(seq_id), self.store.last_token_ids(seq_id, n)])
             self._results.append(encode_result(r))
         return r
 
@@ -144,13 +143,12 @@ class RecordingStore:
             self._ops.append(["set_tokens", list(seq_ids), list(positions), list(map(int, token_ids))])
             self._results.append(None)
 
-    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
-        t = self.store._seqs.get(seq_id)
-        before = t.num_registered if t is not None else None
-        self.store.mark_computed(seq_id, num_computed_tokens)  # raises on a bad seq or range
-        if t.num_registered != before:
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
+        keyed = self.store.mark_computed(seq_id, num_computed_tokens)  # raises on a bad seq or range
+        if keyed:
             self._ops.append(["mark_computed", int(seq_id), int(num_computed_tokens)])
             self._results.append(None)
+        return keyed
 
     def fork(self, parent_id: int, child_id: int) -> None:
         self.store.fork(parent_id, child_id)
@@ -228,8 +226,8 @@ class _Shadow:
     def get(self, seq_id: int) -> list | None:
         s = self.seqs.get(seq_id, _UNSEEN)
         if s is _UNSEEN:
-            t = self.store._seqs.get(seq_id)
-            s = self.seqs[seq_id] = [t.location, len(t.token_ids)] if t is not None else None
+            store = self.store
+            s = self.seqs[seq_id] = [store.location(seq_id), store.num_tokens(seq_id)] if seq_id in store else None
         return s
 
     def existing(self, seq_id: Any, location: str | None = None) -> list:

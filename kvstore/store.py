@@ -35,12 +35,14 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from pagedserve.kvstore.allocator import AllocationPolicy, BlockAllocator, PagedPolicy, blocks_for_tokens
 from pagedserve.kvstore.block_table import DEVICE, HOST, SequenceTable
-from pagedserve.kvstore.pool import BlockPool, copy_between, copy_within
 from pagedserve.kvstore.prefix_index import PrefixIndex, extend_hashes
+
+if TYPE_CHECKING:   # the pools copy themselves: no torch in a pool-less store (the scheduler's mirror)
+    from pagedserve.kvstore.pool import BlockPool
 
 
 @dataclass
@@ -229,7 +231,7 @@ class BlockStore:
             self._host.decref(host, keep_cached=True)   # free, the newest in the host LRU
             pairs.append((block, host))
         for dp, hp in zip(self.device_pools, self.host_pools):
-            copy_between(dp, hp, pairs)
+            dp.copy_to(hp, pairs)
         self._counters["host_cache_demotions"] += len(pairs)
 
     def _host_block_for_cache(self) -> int | None:
@@ -245,7 +247,7 @@ class BlockStore:
         block go (the newest in the host LRU: it was just used)."""
         pairs = [(host, dev) for _, host, dev in moves]
         for hp, dp in zip(self.host_pools, self.device_pools):
-            copy_between(hp, dp, pairs)
+            hp.copy_to(dp, pairs)
         for i, host, dev in moves:
             self._index.register(dev, hashes[i])
             self._host.decref(host, keep_cached=True)
@@ -328,7 +330,7 @@ class BlockStore:
             copies.append((src, dst))
         if copies:
             for pool in self.device_pools:
-                copy_within(pool, copies)
+                pool.copy_within(copies)
             self._counters["cow_copies"] += len(copies)
         blocks.extend(self._device_allocate(new))
         t.token_ids.extend([int(x) for x in token_ids])
@@ -367,21 +369,23 @@ class BlockStore:
             copies += [(seq_id, src, dst) for src, dst in r.copies]
         return BatchAppendResult(True, copies)
 
-    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
-        """K/V of the first num_computed_tokens tokens is written: key every full block below it."""
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
+        """K/V of the first num_computed_tokens tokens is written: key every full block below it.
+        -> whether a block was keyed (the op log records only calls that changed the store)."""
         t = self._table(seq_id, DEVICE)
         if not 0 <= num_computed_tokens <= t.num_tokens:
             raise ValueError(f"sequence {seq_id} has {t.num_tokens} tokens, "
                              f"not {num_computed_tokens} computed")
         if self._index is None:
-            return
+            return False
         full = num_computed_tokens // self.block_size
         if full <= t.num_registered:
-            return
+            return False
         extend_hashes(t.hashes, t.token_ids, self.block_size, full, t.extra_keys)
         for i in range(t.num_registered, full):
             self._index.register(t.blocks[i], t.hashes[i])
         t.num_registered = full
+        return True
 
     def set_tokens(self, seq_ids: Sequence[int], positions: Sequence[int], token_ids: Sequence[int]) -> None:
         """Write token_ids[i] at positions[i] of seq_ids[i]: a slot appended before its token was
@@ -456,7 +460,7 @@ class BlockStore:
         src_pools, dst_pools = ((self.device_pools, self.host_pools) if src_loc == DEVICE
                                 else (self.host_pools, self.device_pools))
         for sp, dp in zip(src_pools, dst_pools):
-            copy_between(sp, dp, mapping)
+            sp.copy_to(dp, mapping)
         for (old, count), new in zip(refs.items(), new_blocks):
             for _ in range(count - 1):
                 dst.incref(new)
@@ -510,6 +514,10 @@ class BlockStore:
 
     def token_ids(self, seq_id: int) -> list[int]:
         return list(self._table(seq_id).token_ids)
+
+    def last_token_ids(self, seq_id: int, n: int) -> list[int]:
+        """The sequence's last n token ids (a slice: no copy of the whole list)."""
+        return self._table(seq_id).token_ids[-n:] if n else []
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Slots (block * B + offset) of token positions start .. end-1 of a sequence."""

@@ -57,14 +57,14 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def start_kvstore(endpoint: str, num_blocks: int) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pagedserve.kvstore.service", "--endpoint", endpoint, "--num-device-blocks",
+    argv = [sys.executable, "-m", "pagedserve.services.kvstore.service", "--endpoint", endpoint, "--num-device-blocks",
             str(num_blocks), "--num-host-blocks", "0", "--block-size", str(BLOCK_SIZE),
             "--block-bytes", "16", "--log-level", "WARNING"]
     return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
 def wait_ready(client, proc: subprocess.Popen) -> None:
-    from pagedserve.kvstore.client import PeerTimeout
+    from pagedserve.services.kvstore.client import PeerTimeout
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
@@ -77,7 +77,7 @@ def wait_ready(client, proc: subprocess.Popen) -> None:
 
 
 def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile) -> Timings:
-    from pagedserve.kvstore.client import KVStoreClient
+    from pagedserve.services.kvstore.client import KVStoreClient
     from pagedserve.kvstore.replay import RecordingStore, apply_ops
     from pagedserve.kvstore.store import BlockStore
     from pagedserve.services import protocol
@@ -112,16 +112,16 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             scheduled = sched.schedule()
             t1 = time.perf_counter()
             ops, expected = mirror.drain()
-            client._rpc.send(protocol.ApplyOps(step_no, ops))
+            client.send_apply(step_no, ops)
             sent = time.perf_counter()
-            protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.requests))
+            protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.requests.keys()))
             built = time.perf_counter()
             # The worker's side, not timed: a token for every wanted sample, as StepResult frames.
             frames = protocol.encode(protocol.StepResult(step_no, [
                 SampleResult(r.seq_id, (r.seq_id * 7 + step_no) % 30000 + 10)
                 for wanted in scheduled.samples for r in wanted]))
             t3 = time.perf_counter()
-            reply = client._rpc.receive()
+            reply = client.receive_apply(step_no)
             if reply.results != expected or reply.error:
                 raise RuntimeError(f"step {step_no}: the kvstore diverged: {reply.error}")
             t2 = time.perf_counter()
@@ -159,8 +159,9 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
 
 
 def _import_cores() -> None:
-    # Imported before timing (and before an optional gc.freeze) so neither pays for torch's import.
-    import pagedserve.kvstore.client, kvstore.replay, services.scheduler.scheduler, services.scheduler.stepper  # noqa: F401
+    # Imported before timing (and before an optional gc.freeze) so that neither pays for imports.
+    import pagedserve.kvstore.replay, pagedserve.services.kvstore.client  # noqa: F401
+    import pagedserve.services.scheduler.scheduler, pagedserve.services.scheduler.stepper  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:

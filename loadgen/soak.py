@@ -37,7 +37,7 @@ import aiohttp
 
 from pagedserve.loadgen.stack import Stack, alive, children_of
 
-ROLES = {"worker": "pagedserve.services.worker.service", "kvstore": "pagedserve.kvstore.service",
+ROLES = {"worker": "pagedserve.services.worker.service", "kvstore": "pagedserve.services.kvstore.service",
          "scheduler": "pagedserve.services.scheduler.service", "router": "pagedserve.services.router.service"}
 CLEAN = {"ok", "cut", "stream_error", "router_died"}       # and every http_NNN with an OpenAI body
 KINDS = ("stream", "n", "beam", "stop", "chat", "cut")

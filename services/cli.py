@@ -89,7 +89,7 @@ SERVICES = {   # name: (module, help, the module's function that adds the flags)
     "router": ("pagedserve.services.router.service", "one HTTP router (OpenAI-compatible API)"),
     "scheduler": ("pagedserve.services.scheduler.service", "the scheduler of one engine replica"),
     "worker": ("pagedserve.services.worker.service", "one model worker (one per device / tensor-parallel rank)"),
-    "kvstore": ("pagedserve.kvstore.service", "the KV block-store service of one engine replica"),
+    "kvstore": ("pagedserve.services.kvstore.service", "the KV block-store service of one engine replica"),
 }
 
 

@@ -209,8 +209,8 @@ def grammar_cache_size(default: int = 256):
 
 
 def grammar_cache_bytes():
-    from pagedserve.services.guided.cache import DEFAULT_MAX_BYTES
-    return opt(DEFAULT_MAX_BYTES, "bytes of compiled structured-output constraints kept per process, e.g. 512MiB "
+    from pagedserve.services.guided.limits import DEFAULT_CACHE_BYTES
+    return opt(DEFAULT_CACHE_BYTES, "bytes of compiled structured-output constraints kept per process, e.g. 512MiB "
                                   "(one that alone compiles to more is a 400)", parse=parse_bytes, check=at_least(1))
 
 

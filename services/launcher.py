@@ -120,7 +120,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     block_bytes = spec.block_bytes(cfg.block_size, dtype, cfg.tensor_parallel)
     gib = 1 << 30
     if cfg.device == "cuda" and cfg.num_device_blocks is None:
-        # Sized by the kvstore once the workers have loaded and profiled (kvstore/sizing.py).
+        # Sized by the kvstore once the workers have loaded and profiled (services/kvstore/sizing.py).
         device_pool = ["--num-device-blocks", "0", "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     else:
         device_blocks = cfg.num_device_blocks or cf.kv_pool_bytes(cfg) // block_bytes
@@ -130,7 +130,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
     worker_beat, sched_beat = heartbeat_endpoints(run_dir)
     hang = ["--hang-timeout", str(cfg.hang_timeout_s)]
     py = [sys.executable, "-m"]
-    procs = [("kvstore", py + ["pagedserve.kvstore.service", "--endpoint", kv, *device_pool,
+    procs = [("kvstore", py + ["pagedserve.services.kvstore.service", "--endpoint", kv, *device_pool,
                                "--num-host-blocks", str(host_blocks), "--block-size", str(cfg.block_size),
                                "--host-cache-blocks",
                                str(cf.host_cache_blocks(cfg, host_blocks, block_bytes, cfg.tensor_parallel)),

@@ -155,7 +155,7 @@ class GetPoolInfo:
 @dataclass
 class ReportMemory:
     """A worker rank's profile, for a kvstore that sizes its pools from free GPU memory
-    (kvstore/sizing.py): the activation bytes its largest step needs beyond what stays allocated."""
+    (services/kvstore/sizing.py): the activation bytes its largest step needs beyond what stays allocated."""
     rank: int
     reserve_bytes: int
 

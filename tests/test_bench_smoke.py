@@ -90,7 +90,9 @@ def test_control_plane_quick_prints_its_table(capsys):
     from pagedserve.loadgen import bench_control_plane
     assert bench_control_plane.main(["--seqs", "1", "4", "--steps", "5"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
-    assert [r[0] for r in rows] == ["1", "4"] and all(len(r) >= 10 for r in rows)
+    table, phases = rows[:2], rows[2:]   # the figures, then the whole step by phase
+    assert [r[0] for r in table] == ["1", "4"] and all(len(r) >= 10 for r in table)
+    assert [r[0] for r in phases] == ["1", "4"] and all(len(r) == 1 + len(bench_control_plane.PHASES) for r in phases)
 
 
 def test_e2e_quick_prints_its_table(tiny_llama, capsys):

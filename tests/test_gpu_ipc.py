@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from test_kvstore_service import BLOCK_BYTES, DEVICE_BLOCKS, HOST_BLOCKS, B, free_port, start, stop, wait_ready  # noqa: E402
 
-from pagedserve.kvstore.client import KVStoreClient, attach_pools  # noqa: E402
+from pagedserve.services.kvstore.attach import attach_pools  # noqa: E402
+from pagedserve.services.kvstore.client import KVStoreClient  # noqa: E402
 from pagedserve.kvstore.cuda_sync import StepSync  # noqa: E402
 from pagedserve.kvstore.replay import RecordingStore  # noqa: E402
 from pagedserve.kvstore.store import BlockStore  # noqa: E402

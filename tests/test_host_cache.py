@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.kvstore.pool import BlockPool, unique_pool_name
 from pagedserve.kvstore.replay import RecordingStore
-from pagedserve.kvstore.service import KVStoreService
+from pagedserve.services.kvstore.service import KVStoreService
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.services import protocol
 from tests import test_replay

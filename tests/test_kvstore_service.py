@@ -14,8 +14,9 @@ import pytest
 import torch
 import zmq
 
-from pagedserve.kvstore import service
-from pagedserve.kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
+from pagedserve.services.kvstore import service
+from pagedserve.services.kvstore.attach import attach_pools
+from pagedserve.services.kvstore.client import KVStoreClient, KVStoreError, PeerTimeout
 from pagedserve.kvstore.replay import RecordingStore
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.services import protocol
@@ -31,7 +32,7 @@ def free_port() -> int:
 
 
 def start(endpoint: str, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pagedserve.kvstore.service", "--endpoint", endpoint,
+    argv = [sys.executable, "-m", "pagedserve.services.kvstore.service", "--endpoint", endpoint,
             "--num-device-blocks", str(DEVICE_BLOCKS), "--num-host-blocks", str(HOST_BLOCKS),
             "--block-size", str(B), "--block-bytes", str(BLOCK_BYTES), "--tp-size", str(TP), *extra]
     # The caller's PYTHONPATH stays after the repository: `make gpu-check` brings packages in it.

@@ -1,4 +1,4 @@
-"""Sizing the KV pool from free GPU memory after the workers' profiling pass (kvstore/sizing.py,
+"""Sizing the KV pool from free GPU memory after the workers' profiling pass (services/kvstore/sizing.py,
 services/worker/profile.py), on CPU: the arithmetic with a fake memory reader, the hand-over order
 over real sockets, and the profile pass on a tiny model with fake allocator statistics."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 import zmq
 
-from pagedserve.kvstore import service as kvservice
-from pagedserve.kvstore import sizing
-from pagedserve.kvstore.client import KVStoreClient, KVStoreError
-from pagedserve.kvstore.sizing import PoolSizing, device_blocks_for
+from pagedserve.services.kvstore import service as kvservice
+from pagedserve.services.kvstore import sizing
+from pagedserve.services.kvstore.client import KVStoreClient, KVStoreError
+from pagedserve.services.kvstore.sizing import PoolSizing, device_blocks_for
 from pagedserve.services import launcher, protocol
 from pagedserve.services.worker import service as wservice
 from pagedserve.services.worker.model_loader import load_model

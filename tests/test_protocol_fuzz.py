@@ -1,5 +1,6 @@
 """Hypothesis over every protocol decoder: whatever arrives, decode returns a message or raises
-ProtocolError, never anything else (a TypeError escaping a decoder would kill the loop that read it).
+ProtocolError, never anything else (a TypeError escaping a decoder would kill the loop that read it),
+and a message it returns holds in each field the type declared for it.
 
 Three kinds of input: raw garbage frames; well-formed headers of every message type whose bodies
 are structured but wrong (the right field names, random values, columns and rows of the wrong
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 
 import msgpack
 import numpy as np
@@ -88,10 +91,51 @@ def test_every_message_type_has_a_sample():
 
 
 def decode_only_protocol_errors(frames) -> None:
+    """Garbage is refused with a ProtocolError, or it decodes into a message whose every field holds
+    its declared type (nested messages too) and which encodes and decodes back to the same frames:
+    what a decoder lets through is what its reader was promised."""
     try:
-        protocol.decode(frames)
+        msg = protocol.decode(frames)
     except protocol.ProtocolError:
-        pass
+        return
+    assert protocol.MESSAGES.get(type(msg).__name__) is type(msg), msg
+    assert_well_typed(msg)
+    again = protocol.decode(protocol.encode(msg))
+    assert [bytes(f) for f in protocol.encode(again)] == [bytes(f) for f in protocol.encode(msg)]
+
+
+def assert_well_typed(msg) -> None:
+    hints = typing.get_type_hints(type(msg))
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        assert conforms(value, hints[f.name]), f"{type(msg).__name__}.{f.name} = {value!r} is no {hints[f.name]}"
+
+
+def conforms(value, hint) -> bool:
+    """value is of the declared type, written out here apart from the decoder's own checks."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, h) for h in args)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (int, float)
+    if hint in (int, bool, str, bytes, list, dict):
+        return type(value) is hint
+    if hint is np.ndarray:
+        return isinstance(value, np.ndarray)
+    if origin is list:
+        return type(value) is list and all(conforms(v, args[0]) for v in value)
+    if origin is dict:
+        return type(value) is dict and all(conforms(k, args[0]) and conforms(v, args[1]) for k, v in value.items())
+    if dataclasses.is_dataclass(hint):
+        if type(value) is not hint:
+            return False
+        assert_well_typed(value)
+        return True
+    raise AssertionError(f"the test does not know the declared type {hint!r}")
 
 
 @fuzz

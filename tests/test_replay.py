@@ -230,7 +230,7 @@ def test_a_request_id_that_comes_back_is_sampled_with_its_own_params():
 
     def step():
         s = core.schedule()
-        msg = protocol.decode(protocol.encode(view.execute_step(1, s, store, core.requests)))
+        msg = protocol.decode(protocol.encode(view.execute_step(1, s, store, core.requests.keys())))
         worker.apply_deltas(msg)
         _, samples = worker.build(msg)
         worker.drop_params(msg)

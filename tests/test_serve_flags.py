@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pagedserve.kvstore import service as kvstore_service
+from pagedserve.services.kvstore import service as kvstore_service
 from pagedserve.services import launcher
 from pagedserve.services.cli import main
 from pagedserve.services.engine_config import EngineConfig
@@ -199,7 +199,7 @@ def test_the_host_tier_is_the_swap_space_unless_kv_offloading_size_says_less(tmp
 def test_each_process_refuses_a_bad_flag_in_one_line():
     for module, argv, needle in [("pagedserve.services.router.service", ["--model", "m", "--port", "-1"], "--port"),
                                  ("pagedserve.services.scheduler.service", ["--model", "m", "--max-num-seqs", "0"], "--max-num-seqs"),
-                                 ("pagedserve.kvstore.service", ["--block-size", "3", "--block-bytes", "8"], "--block-size"),
+                                 ("pagedserve.services.kvstore.service", ["--block-size", "3", "--block-bytes", "8"], "--block-size"),
                                  ("pagedserve.services.worker.service", ["--model", "m", "--block-size", "3"], "--block-size")]:
         r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
         lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.kvstore.client import KVStoreClient
+from pagedserve.services.kvstore.client import KVStoreClient
 from pagedserve.kvstore.replay import RecordingStore
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.services import protocol
@@ -48,7 +48,7 @@ def spawn(module: str, *args: str) -> subprocess.Popen:
 
 
 def start_kvstore(endpoint: str, block_bytes: int, tp_size: int) -> subprocess.Popen:
-    return spawn("pagedserve.kvstore.service", "--endpoint", endpoint, "--num-device-blocks", str(NUM_BLOCKS),
+    return spawn("pagedserve.services.kvstore.service", "--endpoint", endpoint, "--num-device-blocks", str(NUM_BLOCKS),
                  "--num-host-blocks", "0", "--block-size", str(B), "--block-bytes", str(block_bytes),
                  "--tp-size", str(tp_size), "--log-level", "WARNING")
 

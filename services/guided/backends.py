@@ -18,14 +18,11 @@ from typing import Any
 
 import torch
 
+from pagedserve.services.guided.limits import GrammarError  # noqa: F401  (re-exported: raised here)
 from pagedserve.services.guided.productive import language_is_empty
 
 COMPACT = (",", ":")
 ANY_OBJECT = '{"type": "object"}'
-
-
-class GrammarError(ValueError):
-    """The constraint does not compile; the message says why (it becomes the 400's message)."""
 
 
 def bitmask_width(vocab_size: int) -> int:

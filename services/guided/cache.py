@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from pagedserve.services.guided import spec as specs
 from pagedserve.services.guided.backends import GrammarError
-from pagedserve.services.guided.limits import Limits
+from pagedserve.services.guided.limits import DEFAULT_CACHE_BYTES, Limits
 
 DEFAULT_CAPACITY = 256
-DEFAULT_MAX_BYTES = 512 << 20
+DEFAULT_MAX_BYTES = DEFAULT_CACHE_BYTES
 
 
 @dataclass

@@ -13,7 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pagedserve.services.guided.backends import GrammarError
+
+# The compile cache's default bound in bytes (services/guided/cache.py), here beside the limits so
+# that config_fields reads both without importing the backends (xgrammar, which imports torch).
+DEFAULT_CACHE_BYTES = 512 << 20
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile; the message says why (it becomes the 400's message)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class Ticket:
         self.tokens = 0
         self.sequences = 1       # what enter() counted; charge() sets the real number
         self.held = True
-        self.owned = False      # a started Generation releases it; until then its handler does
+        self.owned = False      # a started Generation releases it (hand_over); until then its handler does
 
     def charge(self, tokens: int, sequences: int = 1) -> None:
         """The request's prompt tokens and sequences (prompts x n, or x the beam width), once known."""
@@ -71,6 +71,16 @@ class Ticket:
         a.tokens += tokens
         self.sequences = sequences
         a.sequences += more
+
+    def hand_over(self) -> None:
+        """A Generation started with this ticket: it releases it (when its first token comes, or
+        when it ends), not the handler that admitted the request."""
+        self.owned = True
+
+    def release_unless_handed_over(self) -> None:
+        """The handler's end: a ticket no Generation took (a 4xx, a 503) is released here."""
+        if not self.owned:
+            self.release()
 
     def release(self) -> None:
         if self.held:

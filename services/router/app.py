@@ -308,8 +308,7 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
                 ctx.refund(request)
             raise
         finally:
-            if not ticket.owned:   # no Generation started with it (a 4xx, a 503)
-                ticket.release()
+            ticket.release_unless_handed_over()
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):

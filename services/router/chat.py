@@ -10,7 +10,7 @@ from pagedserve.services.router.generation import Generation
 from pagedserve.services.guided import spec as specs
 from pagedserve.services.router.constraints import constraint_of
 from pagedserve.services.router.constraints import check as check_constraint
-from pagedserve.services.router.openai_schema import ChatCompletionRequest, _ChatTemplateFields, sampling_params
+from pagedserve.services.router.openai_schema import ChatCompletionRequest, ChatTemplateFields, sampling_params
 from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
 from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from pagedserve.services.sampling_params import MAX_LOGPROBS
@@ -88,7 +88,7 @@ def echo_of(req: ChatCompletionRequest) -> str:
     return _text(last.content) if last.role == role else ""
 
 
-def render_prompt(ctx: "RouterContext", req: _ChatTemplateFields) -> list[int]:
+def render_prompt(ctx: "RouterContext", req: ChatTemplateFields) -> list[int]:
     """The messages through the model's chat template, tokenized (chat completions, /tokenize)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",

@@ -128,7 +128,7 @@ class Generation:
             self.close(APIError(500, "internal error"))
             raise
         if self.ticket is not None:
-            self.ticket.owned = True
+            self.ticket.hand_over()
         if ctx.config.request_timeout_s is not None:
             left = ctx.config.request_timeout_s - (time.monotonic() - self.arrival)
             self.timer = asyncio.get_running_loop().call_later(max(0.0, left), self._timed_out)

@@ -107,7 +107,7 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class _ChatTemplateFields(_Strict):
+class ChatTemplateFields(_Strict):
     """What the chat template is rendered from (services/router/chat.py render_prompt); chat
     completions and /tokenize take the same fields, with vLLM's defaults."""
     messages: FastList[ChatMessage] = Field(min_length=1)
@@ -118,7 +118,7 @@ class _ChatTemplateFields(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
+class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -132,7 +132,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     function_call: Any = None
 
 
-class TokenizeRequest(_ChatTemplateFields):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize body: its completion form (`prompt`) or its chat form (`messages`), one of
     the two. add_special_tokens defaults by form, as in vLLM: true for a prompt, false for chat."""
     model: str | None = None

@@ -180,6 +180,11 @@ class Scheduler:
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
 
+    def plan_on(self, store) -> None:
+        """From now on plan on this block store (a scheduler process's new mirror after it
+        resynchronized with the kvstore)."""
+        self.store = store
+
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep:

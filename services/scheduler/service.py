@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pagedserve.kvstore.client import KVStoreClient, KVStoreError
+from pagedserve.services.kvstore.client import KVStoreClient, KVStoreError
 from pagedserve.services import config_fields as cf, protocol
 from pagedserve.services.config_fields import positive
 from pagedserve.services.flags import add_flags, check_config, from_args, opt
@@ -206,7 +206,7 @@ class SchedulerService:
                 return call()
             except (PeerTimeout, KVStoreError) as e:
                 if isinstance(e, KVStoreError):
-                    if e.code != 503:   # 503: a kvstore still sizing its pools (kvstore/sizing.py)
+                    if e.code != 503:   # 503: a kvstore still sizing its pools (services/kvstore/sizing.py)
                         raise
                     time.sleep(0.5)
                 if time.monotonic() > deadline:
@@ -335,7 +335,8 @@ class SchedulerService:
         request = None
         if scheduled.steps:
             self.worker_step += 1
-            request = self.workers_view.execute_step(self.worker_step, scheduled, self.mirror, self.core.requests)
+            request = self.workers_view.execute_step(self.worker_step, scheduled, self.mirror,
+                                                     self.core.requests.keys())
             self.worker.send(request)
         return Dispatched(scheduled, request, pending, t_plan, t_ops, time.perf_counter())
 
@@ -370,8 +371,8 @@ class SchedulerService:
                 if update is not None:
                     self._send(self.owner[req.request_id], update)
                 del self.owner[req.request_id]
-            if req.is_finished:
-                self.core.requests.pop(req.request_id, None)
+            if req.is_finished and req.request_id in self.core.requests:
+                self.core.pop_finished(req.request_id)
 
     def _sync_kvstore(self) -> None:
         pending = self._send_ops()
@@ -490,7 +491,8 @@ class SchedulerService:
         except (PeerTimeout, KVStoreError) as e:
             log.error("could not resynchronize with the kvstore: %s", e)
             return False
-        self.mirror = self.core.store = self._new_mirror(snapshot)
+        self.mirror = self._new_mirror(snapshot)
+        self.core.plan_on(self.mirror)
         self.host_copies_sent = self.mirror.host_cache_copies
         self.step_no = 0                   # the kvstore takes step 1 next (it applies them in order)
         self.workers_view.forget_all()     # the worker drops its tables and params with the next step

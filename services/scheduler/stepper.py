@@ -5,6 +5,8 @@ has not cached, and the tokens each router has not been sent yet. Owned by the s
 """
 from __future__ import annotations
 
+from collections.abc import KeysView
+
 from pagedserve.services import protocol
 from pagedserve.services.scheduler.request import FINISHED, Request
 from pagedserve.services.scheduler.scheduler import ScheduledStep
@@ -26,8 +28,10 @@ class WorkerView:
         self.tables, self.params = {}, {}
         self.with_history.clear()
 
-    def execute_step(self, step: int, scheduled: ScheduledStep, store, requests: dict[str, Request]
+    def execute_step(self, step: int, scheduled: ScheduledStep, store, live_requests: KeysView[str]
                      ) -> protocol.ExecuteStep:
+        """The ExecuteStep of a scheduled step; live_requests: the ids of the requests the scheduler
+        still holds (the params of any other are dropped on the worker)."""
         updates, new_params, histories, prompt_logprobs = {}, {}, {}, {}
         ids, tokens, starts, samples_of = [], [], [], []   # the SeqWork columns, built as columns
         tables, params = self.tables, self.params
@@ -70,8 +74,8 @@ class WorkerView:
         freed = list(tables.keys() - store.live_seq_ids())
         for sid in freed:
             del tables[sid]
-        # The scheduler process removes a request from `requests` once it finished and was flushed.
-        dropped = [params.pop(rid) for rid in params.keys() - requests.keys()] + replaced
+        # The scheduler process forgets a request once it finished and was flushed.
+        dropped = [params.pop(rid) for rid in params.keys() - live_requests] + replaced
         for k in dropped:
             self.with_history.discard(k)
         if self.stale[0] or self.stale[1]:

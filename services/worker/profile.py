@@ -4,7 +4,7 @@ before the worker says ready.
 Why: (1) every kernel the model runs (the K/V write, ragged prefill attention, decode attention)
 compiles here, not inside the first real step; (2) on CUDA it measures the activation memory such
 a step needs beyond what stays allocated, which the kvstore subtracts from free memory when it
-sizes the pools (kvstore/sizing.py). It runs on a scratch KV pool of its own, freed afterwards;
+sizes the pools (services/kvstore/sizing.py). It runs on a scratch KV pool of its own, freed afterwards;
 the kvstore's pool may not exist yet. Every rank runs it (their collectives pair up); rank 0 also
 samples, with top-k/top-p so the sampler's temporaries are in the peak too.
 """

@@ -19,7 +19,7 @@ Start-up order: bind (rank 0), ask the kvstore for PoolInfo (an unreachable kvst
 seconds, before the slow model load), join the group (tp_size > 1), load this rank's shard, run
 the profile pass (services/worker/profile.py: every kernel compiles before the worker says ready),
 map this rank's pool, serve. A kvstore that sizes its pools from free GPU memory answers the first
-GetPoolInfo with "not yet" (kvstore/sizing.py): then the worker reports its profile's reserve
+GetPoolInfo with "not yet" (services/kvstore/sizing.py): then the worker reports its profile's reserve
 (ReportMemory) and asks again until the pools exist.
 """
 from __future__ import annotations
@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pagedserve.kvstore.client import KVStoreClient, KVStoreError, PeerTimeout, attach_pools
+from pagedserve.services.kvstore.attach import attach_pools
+from pagedserve.services.kvstore.client import KVStoreClient, KVStoreError, PeerTimeout
 from pagedserve.kvstore.cuda_sync import NoSync, StepSync
-from pagedserve.kvstore.sizing import WAITING
+from pagedserve.services.kvstore.sizing import WAITING
 from pagedserve.kvstore.pool import BlockPool
 from pagedserve.services import config_fields as cf, protocol
 from pagedserve.services.config_fields import at_least, positive

@@ -34,9 +34,9 @@ import zmq
 from pagedserve.kernels.device import on_device
 from pagedserve.kvstore.cuda_sync import CopySync, NoSync
 from pagedserve.kvstore.pool import BlockPool, unique_pool_name, warm_up
-from pagedserve.kvstore.replay import ReplicaDiverged, apply_ops
+from pagedserve.kvstore.replay import ReplayError, ReplicaDiverged, apply_ops
 from pagedserve.kvstore.allocator import make_policy
-from pagedserve.kvstore.sizing import PoolSizing
+from pagedserve.services.kvstore.sizing import PoolSizing
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.services import config_fields as cf, protocol
 from pagedserve.services.config_fields import at_least
@@ -139,7 +139,7 @@ def _create_device_pool(config: Config, rank: int) -> BlockPool:
 def _cuda_ipc_handles(pools: list[BlockPool]) -> list[str]:
     """CUDA only (run by `make gpu-check`, not by CI): per rank, the pickled IPC handle of its device
     pool, base64 text so msgpack carries it; a worker rebuilds the tensor with
-    kvstore.client.attach_pools. This process keeps the tensors alive for as long as workers map
+    services.kvstore.attach.attach_pools. This process keeps the tensors alive for as long as workers map
     them (until exit)."""
     from torch.multiprocessing.reductions import reduce_tensor
     handles = []
@@ -187,7 +187,7 @@ class KVStoreService:
                 reply = protocol.Error(f"the kvstore does not handle {type(msg).__name__}", code=404)
             else:
                 reply = handler(msg)
-        except protocol.ProtocolError as e:
+        except (protocol.ProtocolError, ReplayError) as e:
             log.warning("rejected a malformed message: %s", e)
             reply = protocol.Error(str(e), code=400)
         except Exception as e:  # a bug must not take the pools down with it: answer and carry on

@@ -11,7 +11,7 @@ the pools:
     blocks = (free - reserve - (1 - utilization) * total) // block_bytes, the least over the ranks
 
 Until then it answers GetPoolInfo with a 503 that names the missing ranks, and Ping with
-ready=False. No I/O here: kvstore/service.py feeds this core from its socket.
+ready=False. No I/O here: services/kvstore/service.py feeds this core from its socket.
 """
 from __future__ import annotations
 
