@@ -248,6 +248,27 @@ def test_without_a_key_a_huge_body_is_not_read(info, fake):
         assert sent < total // 2, sent
 
 
+def test_a_client_that_leaves_mid_body_is_no_server_error(info, fake, caplog):
+    """A black-box attack (2026-12-07): a client that sent its headers and part of its body, then
+    closed, was logged as an unhandled error with a traceback and counted as a 500. It is a 499
+    now (nginx's code for a client that left), with no error logged, and the router serves on."""
+    body = json.dumps(BODY).encode()
+    with _router(info, fake) as r, httpx.Client(base_url=r.url, timeout=10) as http:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", r.port)) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body[:20])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and 'status="499"' not in http.get("/metrics").text:
+            time.sleep(0.05)
+        errors = {line.split('status="')[1].split('"')[0]: float(line.split()[-1])
+                  for line in http.get("/metrics").text.splitlines()
+                  if line.startswith("pagedserve:request_errors_total{")}
+        assert errors.get("499") == 3 and "500" not in errors, errors
+        assert http.post("/v1/completions", json=BODY).status_code == 200
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], [rec.getMessage() for rec in caplog.records]
+
+
 # ---- 7: lone surrogates ---------------------------------------------------------------------------
 
 SURROGATES = [

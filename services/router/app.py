@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedserve.services.router.admission import Admission, Ticket
 from pagedserve.services.guided.backends import make_backend
@@ -142,7 +143,12 @@ class RouterContext:
         if not _JSON_TYPE.fullmatch(kind):
             raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
                                 f"got {kind or 'no Content-Type'}", "Content-Type")
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            # The client left before its body arrived: nobody reads an answer, and no server error
+            # happened (nginx's 499; a 4xx, so its rate-limit quota is refunded).
+            raise APIError(499, "the client closed the connection before its request body arrived") from None
         limits = BodyLimits(values=self.config.max_json_values, containers=self.config.max_json_containers,
                             lists={"messages": self.config.max_chat_messages,
                                    "stop_token_ids": MAX_STOP_TOKEN_IDS},
