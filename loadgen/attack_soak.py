@@ -23,7 +23,7 @@ import traceback
 from pagedserve.loadgen import attack_report, raw_http
 from pagedserve.loadgen.attacks import ATTACKS, HOLD, KEYED, Attacker, judge
 from pagedserve.loadgen.config import AttackSoakConfig
-from pagedserve.loadgen.normal_load import NormalLoad, Phase
+from pagedserve.loadgen.normal_load import LoadProcess
 from pagedserve.loadgen.proc_watch import ProcWatch
 from pagedserve.loadgen.raw_http import Answer
 from pagedserve.loadgen.stack import Stack
@@ -69,23 +69,27 @@ async def run(cfg: AttackSoakConfig, stack: Stack, model: str, keys: dict[str, s
     watch = ProcWatch(stack)
     stop = asyncio.Event()
     watcher = asyncio.create_task(watch.run(stop))
-    load = NormalLoad(stack.url, keys["normal"], model, cfg.rate, cfg.seed)
+    load = LoadProcess(stack.url, keys["normal"], model, cfg.rate, cfg.seed,
+                       {"warmup": cfg.warmup, "quiet": cfg.quiet, "attack": cfg.duration})
+    answers: dict[str, list[Answer]] = {cls: [] for cls in cfg.attacks}
+    attacker = Attacker(stack.port, model, cfg, keys, random.Random(cfg.seed + 1))
     try:
-        await load.run(Phase("warmup"), cfg.warmup)
+        await load.begun("warmup")
+        await load.ended("warmup")
+        await load.begun("quiet")
         watch.mark("quiet")
-        quiet = await load.run(Phase("quiet"), cfg.quiet)
+        quiet = await load.ended("quiet")
+        await load.begun("attack")
         watch.mark("attack")
-        attacker = Attacker(stack.port, model, cfg, keys, random.Random(cfg.seed + 1))
-        answers: dict[str, list[Answer]] = {cls: [] for cls in cfg.attacks}
-        attack, *_ = await asyncio.gather(load.run(Phase("attack"), cfg.duration),
-                                          *(hostile(cls, attacker, cfg, rng, answers) for cls in cfg.attacks))
+        await asyncio.gather(*(hostile(cls, attacker, cfg, rng, answers) for cls in cfg.attacks))
+        attack = await load.ended("attack")
     finally:
         stop.set()
         await watcher
-        await load.close()
+        load.close()
     classes = {cls: attack_report.class_summary(cls, answers[cls], attacker.problems.get(cls, []), cfg, watch.t0)
                for cls in cfg.attacks}
-    return {"quiet": quiet.summary(), "attack": attack.summary(), "classes": classes,
+    return {"quiet": quiet, "attack": attack, "classes": classes,
             "restarts": watch.restarts(), "restart_events": watch.events, "restart_reasons": watch.restart_reasons(),
             "rss": watch.rss(since="attack"), "rss_samples": watch.samples, "marks": watch.marks}
 

@@ -1,6 +1,10 @@
 """The well-behaved clients of the attack soak: a steady, open-loop load through the openai SDK
 (chat and completions, some streamed, some constrained by a small json_schema), one key.
 
+It runs in a process of its own (LoadProcess): the attackers build and read bodies of many
+megabytes with json, which holds the GIL for a third of a second at a time; in the same process
+that stall was measured as the server's (a 600 ms p99 TTFT under attack against 27 ms quiet).
+
 Open loop (one request every 1/rate s, whatever the server does) so that a stalled server shows
 as failures and late first tokens, not as a client that politely slowed down. The SDK's retries
 are off: a request the server dropped or refused counts as a failure, as a user would see it.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass, field
@@ -118,3 +123,53 @@ class NormalLoad:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+class LoadProcess:
+    """The load's phases (warmup, quiet, attack) in a child process; the parent learns when each
+    begins and gets each phase's summary. Spawned, not forked: the parent runs an event loop."""
+
+    def __init__(self, url: str, key: str, model: str, rate: float, seed: int, durations: dict[str, float]):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_load_main, args=(child, url, key, model, rate, seed, durations),
+                                name="normal-load", daemon=True)
+        self.proc.start()
+        child.close()       # the child's end stays open only there: its death is an EOF here
+
+    async def begun(self, name: str) -> None:
+        """Returns when phase `name` has begun."""
+        await self._expect("begin", name)
+
+    async def ended(self, name: str) -> dict:
+        """Phase `name`'s summary, when it has ended."""
+        return await self._expect("end", name)
+
+    async def _expect(self, event: str, name: str):
+        try:
+            got = await asyncio.to_thread(self.conn.recv)
+        except EOFError:
+            await asyncio.to_thread(self.proc.join, 5)
+            raise RuntimeError(f"the normal load's process ended (exit code {self.proc.exitcode})") from None
+        assert got[:2] == (event, name), f"the normal load sent {got[:2]}, not {(event, name)}"
+        return got[2]
+
+    def close(self) -> None:
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.conn.close()
+
+
+def _load_main(conn, url: str, key: str, model: str, rate: float, seed: int, durations: dict[str, float]) -> None:
+    async def phases() -> None:
+        load = NormalLoad(url, key, model, rate, seed)
+        try:
+            for name, seconds in durations.items():
+                conn.send(("begin", name, None))
+                phase = await load.run(Phase(name), seconds)
+                conn.send(("end", name, phase.summary()))
+        finally:
+            await load.close()
+    asyncio.run(phases())
+    conn.close()
