@@ -82,7 +82,9 @@ def cmd_demo(args) -> int:
     return 0
 
 
-SERVICES = {   # name: (module, help, the module's function that adds the flags)
+# name: (module, help[, the module's own flag adder]); the module has `Config` and `run`, and parses
+# with its `config_from_args` where the command line is more than Config's flags (serve's MODEL).
+SERVICES = {
     "serve": ("pagedserve.services.launcher", "serve MODEL with vLLM's flags: the whole stack (kvstore, workers, scheduler, "
                                    "routers), until SIGTERM", "add_serve_arguments"),
     "up": ("pagedserve.services.launcher", "the same as serve, the model given by --model (default: tiny)"),
@@ -106,10 +108,11 @@ def _service_args(argv: list[str]):
     module_name, help_text, *adder = SERVICES[argv[0]]
     module = importlib.import_module(module_name)
     parser = OneLineParser(prog=f"pagedserve {argv[0]}", description=help_text)
-    getattr(module, adder[0] if adder else "add_arguments")(parser)
+    (getattr(module, adder[0]) if adder else module.Config.add_arguments)(parser)
     args = parser.parse_args(argv[1:])
     args.command = argv[0]
-    args.func = lambda a: module.run(module.config_from_args(a))
+    parse = getattr(module, "config_from_args", module.Config.from_args)
+    args.func = lambda a: module.run(parse(a))
     return args
 
 

@@ -5,13 +5,13 @@ from dataclasses import dataclass
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.config_fields import allocation_check, at_least
-from pagedserve.services.flags import ConfigError, check_config, opt
+from pagedserve.services.flags import ConfigError, ProcessConfig, opt
 
 __all__ = ["ConfigError", "EngineConfig"]
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(ProcessConfig):
     model: str = cf.model("a local Hugging Face folder (config.json, safetensors, tokenizer), or 'tiny': "
                           "pagedserve generate builds .cache/tiny-llama on first use, as serve does")
     device: str = cf.device()
@@ -39,10 +39,6 @@ class EngineConfig:
     def cross_check(self) -> str | None:
         return (cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
                 or allocation_check(self.allocation, self.batching) or cf.kv_pool_check(self))
-
-    def validate(self) -> "EngineConfig":
-        check_config(self)
-        return self
 
     def device_blocks(self, block_bytes: int) -> int:
         return self.num_device_blocks or cf.kv_pool_bytes(self) // block_bytes

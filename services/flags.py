@@ -28,6 +28,24 @@ class ConfigError(ValueError):
     """A bad value for a flag: the message names the flag and is meant for one line on stderr."""
 
 
+class ProcessConfig:
+    """What every process's config dataclass does the same way, written once: its flags come from
+    its fields (add_flags), its values from parsed flags (from_args), and validate() runs every
+    field's check and the subclass's cross_check (check_config)."""
+
+    def validate(self):
+        check_config(self)
+        return self
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        add_flags(parser, cls)
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace | dict, **overrides: Any):
+        return from_args(cls, namespace, **overrides)
+
+
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, choices: typing.Sequence | None = None,
         check: Callable[[Any], bool | str] | None = None, env: str | None = None,
         flag: str | None = None, aliases: typing.Sequence[str] = (), metavar: str | None = None,

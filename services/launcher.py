@@ -24,13 +24,13 @@ from pathlib import Path
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.config_fields import allocation_check, at_least, positive
-from pagedserve.services.flags import ConfigError, add_flags, check_config, from_args, opt
+from pagedserve.services.flags import ConfigError, ProcessConfig, opt
 from pagedserve.services.router.options import RouterOptions, passed_down
 from pagedserve.services.supervisor import Child, Supervisor
 from pagedserve.services.tiny_model import resolve_model
 
 @dataclass
-class Config(RouterOptions):
+class Config(RouterOptions, ProcessConfig):
     model: str = opt("tiny", "a local model folder, or 'tiny' (built on first use)")
     device: str = opt("cpu", "where the model runs", choices=("cpu", "cuda"))
     dtype: str = cf.dtype()
@@ -84,7 +84,7 @@ class Config(RouterOptions):
                 or allocation_check(self.allocation, self.batching) or cf.kv_pool_check(self))
 
     def validate(self) -> "Config":
-        check_config(self)
+        super().validate()
         if self.device == "cuda":
             import torch
             if not torch.cuda.is_available():
@@ -92,22 +92,18 @@ class Config(RouterOptions):
         return self
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, Config)
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """`pagedserve serve MODEL`: vLLM's spelling, the model as the first word."""
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a local model folder, or 'tiny'")
-    add_flags(p, Config)
+    Config.add_arguments(p)
 
 
 def config_from_args(args) -> Config:
     tag = getattr(args, "model_tag", None)
     if tag is not None and getattr(args, "model", tag) != tag:
         raise ConfigError(f"the model is given twice: {tag!r} and --model {args.model!r}")
-    return from_args(Config, {k: v for k, v in vars(args).items() if k != "model_tag"},
-                     **({"model": tag} if tag is not None else {})).validate()
+    return Config.from_args({k: v for k, v in vars(args).items() if k != "model_tag"},
+                            **({"model": tag} if tag is not None else {})).validate()
 
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:

@@ -23,16 +23,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
-def service_main(name: str, add_arguments, config_from_args, run, argv=None, description: str = "") -> int:
+def service_main(name: str, config_cls, run, argv=None, description: str = "") -> int:
     """Parse flags, validate the config, run; an invalid setting or model folder exits 2 with one line."""
     from pagedserve.services.worker.model_loader import ModelLoadError
 
     parser = OneLineParser(prog=f"pagedserve {name}", description=description)
-    add_arguments(parser)
+    config_cls.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(args)
-        config.validate()
+        config = config_cls.from_args(args)
     except (ValueError, ModelLoadError) as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2

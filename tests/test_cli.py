@@ -159,7 +159,8 @@ def all_parsers() -> dict[str, argparse.ArgumentParser]:
     parsers = {f"pagedserve {n}": p for n, p in subs(build_parser())}
     for name, (module, _, *adder) in SERVICES.items():
         parsers[f"pagedserve {name}"] = p = OneLineParser(prog=name)
-        getattr(importlib.import_module(module), adder[0] if adder else "add_arguments")(p)
+        mod = importlib.import_module(module)
+        (getattr(mod, adder[0]) if adder else mod.Config.add_arguments)(p)
     parsers.update({f"loadgen {n}": p for n, p in subs(loadgen_parser())})
     return parsers
 

@@ -60,7 +60,7 @@ def test_launcher_sizes_blocks_and_starts_workers_with_the_resolved_dtype(tiny_l
 def test_up_takes_a_dtype_flag():
     import argparse
     p = argparse.ArgumentParser()
-    launcher.add_arguments(p)
+    launcher.Config.add_arguments(p)
     assert launcher.config_from_args(p.parse_args(["--dtype", "bfloat16"])).dtype == "bfloat16"
     with pytest.raises(ValueError, match="--dtype"):
         launcher.config_from_args(p.parse_args(["--dtype", "int8"]))

@@ -151,7 +151,7 @@ def test_profile_pass_runs_the_model_and_reports_the_peak_over_the_start(tiny_ll
 def test_up_refuses_a_utilization_outside_zero_to_one():
     import argparse
     p = argparse.ArgumentParser()
-    launcher.add_arguments(p)
+    launcher.Config.add_arguments(p)
     assert launcher.config_from_args(p.parse_args(["--gpu-memory-utilization", "0.5"])).gpu_memory_utilization == 0.5
     for bad in ("0", "1.2"):
         with pytest.raises(ValueError, match="--gpu-memory-utilization"):

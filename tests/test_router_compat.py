@@ -229,11 +229,11 @@ def test_add_special_tokens(client, fake, info):
 
 
 def test_the_stop_string_limit_is_configurable(info, fake):
-    from pagedserve.services.router.service import add_arguments, config_from_args
+    from pagedserve.services.router.service import Config as RouterConfig
     import argparse
     p = argparse.ArgumentParser()
-    add_arguments(p)
-    cfg = config_from_args(p.parse_args(["--model", info.path, "--scheduler-endpoint", fake.endpoint,
+    RouterConfig.add_arguments(p)
+    cfg = RouterConfig.from_args(p.parse_args(["--model", info.path, "--scheduler-endpoint", fake.endpoint,
                                          "--max-stop-strings", "8"]))
     with RouterServer(create_app(cfg, info, MemoryState())) as srv, httpx.Client(base_url=srv.url) as c:
         assert c.post("/v1/completions", json={"prompt": "x", "stop": list("abcdefgh")}).status_code == 200
@@ -293,9 +293,9 @@ def test_cors_allows_what_the_flags_allow(info, fake):
 def test_cors_flags_reach_the_router_through_pagedserve_up(info, fake, tmp_path):
     import argparse
     from pagedserve.services import launcher
-    from pagedserve.services.router.service import add_arguments, config_from_args
+    from pagedserve.services.router.service import Config as RouterConfig
     p = argparse.ArgumentParser()
-    launcher.add_arguments(p)
+    launcher.Config.add_arguments(p)
     flags = ["--allowed-origins", '["http://ok.example"]', "--allowed-methods", '["GET", "POST"]',
              "--allowed-headers", '["content-type"]', "--allow-credentials"]
     up = launcher.config_from_args(p.parse_args(["--model", info.path, *flags]))
@@ -304,8 +304,8 @@ def test_cors_flags_reach_the_router_through_pagedserve_up(info, fake, tmp_path)
         assert router_argv[router_argv.index(flag) + 1] == value, flag
     assert "--allow-credentials" in router_argv
     rp = argparse.ArgumentParser()
-    add_arguments(rp)
-    cfg = config_from_args(rp.parse_args(["--model", info.path, "--scheduler-endpoint", fake.endpoint, *flags]))
+    RouterConfig.add_arguments(rp)
+    cfg = RouterConfig.from_args(rp.parse_args(["--model", info.path, "--scheduler-endpoint", fake.endpoint, *flags]))
     assert cfg.allowed_origins == ["http://ok.example"] and cfg.allow_credentials
     with RouterServer(create_app(cfg, info, MemoryState())) as srv, httpx.Client(base_url=srv.url) as c:
         ok = c.options("/v1/completions", headers={"Origin": "http://ok.example", "Access-Control-Request-Method": "POST"})
@@ -314,7 +314,7 @@ def test_cors_flags_reach_the_router_through_pagedserve_up(info, fake, tmp_path)
         bad = c.options("/v1/completions", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
         assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
     with pytest.raises(ValueError):
-        config_from_args(rp.parse_args(["--model", info.path, "--allowed-origins", '"*"']))
+        RouterConfig.from_args(rp.parse_args(["--model", info.path, "--allowed-origins", '"*"']))
 
 
 def test_system_fingerprint_everywhere(client):

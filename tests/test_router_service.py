@@ -16,8 +16,8 @@ from pagedserve.services.router import service
 
 def _config(*argv):
     parser = argparse.ArgumentParser()
-    service.add_arguments(parser)
-    return service.config_from_args(parser.parse_args(list(argv)))
+    service.Config.add_arguments(parser)
+    return service.Config.from_args(parser.parse_args(list(argv)))
 
 
 def test_config_from_flags_and_validation():

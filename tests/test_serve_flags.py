@@ -39,7 +39,7 @@ def serve(*argv: str) -> launcher.Config:
 
 def up(*argv: str) -> launcher.Config:
     parser = OneLineParser(prog="pagedserve up")
-    launcher.add_arguments(parser)
+    launcher.Config.add_arguments(parser)
     return launcher.config_from_args(parser.parse_args(list(argv)))
 
 
@@ -153,13 +153,13 @@ def test_the_launcher_passes_its_router_settings_down(tmp_path, tiny_llama):
     argv = procs["router0"]
     assert "sk-secret" not in " ".join(argv)          # keys travel in the environment, not in `ps`
     parser = OneLineParser(prog="router")
-    router_service.add_arguments(parser)
+    router_service.Config.add_arguments(parser)
     env = dict(os.environ, **launcher.passed_down(cfg)[1])
     old = dict(os.environ)
     try:
         os.environ.clear()
         os.environ.update(env)
-        rcfg = router_service.config_from_args(parser.parse_args(argv[3:]))
+        rcfg = router_service.Config.from_args(parser.parse_args(argv[3:]))
     finally:
         os.environ.clear()
         os.environ.update(old)
@@ -189,8 +189,8 @@ def test_the_host_tier_is_the_swap_space_unless_kv_offloading_size_says_less(tmp
     cfg = serve(tiny_llama, "--swap-space", "0.01", *flags)
     argv = dict(launcher.process_commands(cfg, tiny_llama, str(tmp_path)))["kvstore"]
     parser = OneLineParser(prog="kvstore")
-    kvstore_service.add_arguments(parser)
-    kcfg = kvstore_service.config_from_args(parser.parse_args(argv[3:])).validate()
+    kvstore_service.Config.add_arguments(parser)
+    kcfg = kvstore_service.Config.from_args(parser.parse_args(argv[3:])).validate()
     assert kcfg.num_host_blocks == int(0.01 * (1 << 30)) // kcfg.block_bytes > 0
     want = {"whole": kcfg.num_host_blocks, "size": int(0.001 * (1 << 30)) // kcfg.block_bytes, 0: 0}[tier]
     assert kcfg.host_cache_blocks == want

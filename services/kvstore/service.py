@@ -17,7 +17,6 @@ frame size limit).
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import dataclasses
 import gc
@@ -40,7 +39,7 @@ from pagedserve.services.kvstore.sizing import PoolSizing
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.services import config_fields as cf, protocol
 from pagedserve.services.config_fields import at_least
-from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.flags import ProcessConfig, opt
 from pagedserve.services.curve import SocketGuard
 from pagedserve.services.process import answer_requests, on_stop_signals, service_main
 
@@ -50,7 +49,7 @@ POLL_MS = 100   # how long the loop blocks waiting for a message: also the laten
 
 
 @dataclass
-class Config:
+class Config(ProcessConfig):
     num_device_blocks: int = opt(1024, "blocks in each device pool (0 with --gpu-memory-utilization: "
                                        "sized once the workers have profiled)", check=at_least(0))
     num_host_blocks: int = opt(0, "blocks in each host pool (swapped-out blocks)", check=at_least(0))
@@ -85,17 +84,6 @@ class Config:
                     f"{self.num_host_blocks} blocks (--num-host-blocks)")
         return None
 
-    def validate(self) -> "Config":
-        check_config(self)
-        return self
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, Config)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    return from_args(Config, args)
 
 
 # ---- pools -------------------------------------------------------------------------------------
@@ -338,7 +326,7 @@ def _serve(sock: zmq.Socket, service: KVStoreService, stop: threading.Event) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    return service_main("kvstore", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
+    return service_main("kvstore", Config, run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

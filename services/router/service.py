@@ -8,7 +8,6 @@ sends each request to one of the replicas registered there.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.config_fields import positive
-from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.flags import ProcessConfig, opt
 from pagedserve.services.curve import KeysError
 from pagedserve.services.router.options import RouterOptions
 from pagedserve.services.state import redact_url
@@ -30,7 +29,7 @@ from pagedserve.services.state import redact_url
 log = logging.getLogger("pagedserve.router")
 
 @dataclass
-class Config(RouterOptions):
+class Config(RouterOptions, ProcessConfig):
     model: str = cf.model("a local Hugging Face folder (the tokenizer and config are read)")
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on", check=lambda v: 0 <= v < 65536 or "must be in [0, 65535]")
@@ -64,17 +63,6 @@ class Config(RouterOptions):
                 return f"{name} must be positive"
         return None
 
-    def validate(self) -> "Config":
-        check_config(self)
-        return self
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, Config)
-
-
-def config_from_args(args) -> Config:
-    return from_args(Config, args)
 
 
 def build_app(config: Config, state=None):
@@ -170,7 +158,7 @@ def run(config: Config) -> int:
 
 def main(argv=None) -> int:
     from pagedserve.services.process import service_main
-    return service_main("router", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
+    return service_main("router", Config, run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ fails the requests in flight instead of hanging them.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import sys
@@ -21,7 +20,7 @@ import zmq
 from pagedserve.services.kvstore.client import KVStoreClient, KVStoreError
 from pagedserve.services import config_fields as cf, protocol
 from pagedserve.services.config_fields import positive
-from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.flags import ProcessConfig, opt
 from pagedserve.services.heartbeat import Heartbeat, HeartbeatWatch
 from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
 from pagedserve.services.process import on_stop_signals, service_main
@@ -37,7 +36,7 @@ log = logging.getLogger("pagedserve.scheduler")
 
 
 @dataclass
-class Config:
+class Config(ProcessConfig):
     model: str = cf.model()
     endpoint: str = cf.endpoint("tcp://127.0.0.1:5602", "where the scheduler serves the routers")
     kvstore_endpoint: str = cf.endpoint("tcp://127.0.0.1:5601", "the kvstore's endpoint")
@@ -71,17 +70,6 @@ class Config:
     def cross_check(self) -> str | None:
         return cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
 
-    def validate(self) -> "Config":
-        check_config(self)
-        return self
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, Config)
-
-
-def config_from_args(args) -> Config:
-    return from_args(Config, args)
 
 
 LEASE_S = 5.0   # the replica's lease in the shared state, renewed every heartbeat
@@ -629,7 +617,7 @@ def run(config: Config) -> int:
 
 
 def main(argv=None) -> int:
-    return service_main("scheduler", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
+    return service_main("scheduler", Config, run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ GetPoolInfo with "not yet" (services/kvstore/sizing.py): then the worker reports
 """
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import functools
 import logging
@@ -45,7 +44,7 @@ from pagedserve.services.kvstore.sizing import WAITING
 from pagedserve.kvstore.pool import BlockPool
 from pagedserve.services import config_fields as cf, protocol
 from pagedserve.services.config_fields import at_least, positive
-from pagedserve.services.flags import add_flags, check_config, from_args, opt
+from pagedserve.services.flags import ProcessConfig, opt
 from pagedserve.services.heartbeat import Heartbeat
 from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
 from pagedserve.services.process import PeerWatch, on_stop_signals, service_main
@@ -76,7 +75,7 @@ class PeerLost(RuntimeError):
 
 
 @dataclass
-class Config(cf.GrammarOptions):
+class Config(cf.GrammarOptions, ProcessConfig):
     model: str = cf.model()
     rank: int = opt(0, "tensor-parallel rank of this process", check=at_least(0))
     tp_size: int = opt(1, "tensor-parallel ranks in the group", check=at_least(1))
@@ -115,21 +114,10 @@ class Config(cf.GrammarOptions):
             return f"--rank must be in [0, --tp-size={self.tp_size}), got {self.rank}"
         return None
 
-    def validate(self) -> "Config":
-        check_config(self)
-        return self
 
     @property
     def torch_device(self) -> str:
         return f"cuda:{self.rank}" if self.device == "cuda" else self.device
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, Config)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    return from_args(Config, args)
 
 
 # ---- the service core: messages in, messages out (no sockets) ----------------------------------
@@ -540,7 +528,7 @@ def _bind(guard: SocketGuard, sock: zmq.Socket, endpoint: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return service_main("worker", add_arguments, config_from_args, run, argv, __doc__.splitlines()[0])
+    return service_main("worker", Config, run, argv, __doc__.splitlines()[0])
 
 
 def _first_line(e: BaseException) -> str:
