@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _service_args(argv) if argv and argv[0] in SERVICES else build_parser().parse_args(argv)
     from pagedserve.services.tiny_model import TinyModelError
-    from pagedserve.services.worker.model_loader import ModelLoadError
+    from pagedserve.services.model_dir import ModelLoadError
     from pagedserve.services.sampling_params import SamplingParamsError
     from pagedserve.services.engine import PromptTooLongError
     # ValueError covers every config's validate() (ConfigError, SchedulerError are ValueErrors).

@@ -25,7 +25,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def service_main(name: str, config_cls, run, argv=None, description: str = "") -> int:
     """Parse flags, validate the config, run; an invalid setting or model folder exits 2 with one line."""
-    from pagedserve.services.worker.model_loader import ModelLoadError
+    from pagedserve.services.model_dir import ModelLoadError
 
     parser = OneLineParser(prog=f"pagedserve {name}", description=description)
     config_cls.add_arguments(parser)

@@ -164,6 +164,19 @@ def test_two_routers_share_requests(stack, tiny_llama):
     assert not t.is_alive() and finish.get("reason") == "abort"
 
 
+def test_the_running_scheduler_has_no_torch_mapped(stack):
+    """The scheduler reads the model folder without torch (services/model_dir.py): none of torch's
+    libraries is in its memory map, after it has served requests (test order: this runs after some).
+    The router still loads torch (its tokenizer class and xgrammar import it): issue 26."""
+    for pid in stack.pids:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"pagedserve.services.scheduler.service" in cmdline:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libtorch" not in maps, "the scheduler process maps torch"
+            return
+    pytest.fail(f"no scheduler among the stack's processes {stack.pids}")
+
+
 def test_metrics_and_kv(stack):
     with urllib.request.urlopen(stack.url + "/metrics", timeout=30) as r:
         text = r.read().decode()

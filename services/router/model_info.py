@@ -1,6 +1,6 @@
 """What the router needs of the model folder: its tokenizer, context length, EOS ids, vocabulary size.
 
-Read once at start-up; the weights are never touched (inspect_model_dir checks the folder only).
+Read once at start-up; the weights are never touched (services/model_dir.py checks the folder only).
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ class ModelInfo:
 
 
 def load_model_info(model_dir: str, max_model_len: int | None = None) -> ModelInfo:
-    """Raises services.worker.model_loader.ModelLoadError for a folder that cannot be served."""
+    """Raises services.model_dir.ModelLoadError for a folder that cannot be served."""
     from transformers import AutoTokenizer
 
-    from pagedserve.services.worker.model_loader import ModelLoadError, context_length, inspect_model_dir
+    from pagedserve.services.model_dir import ModelLoadError, context_length, read_model_dir
 
-    _, spec = inspect_model_dir(model_dir)
+    spec = read_model_dir(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # missing or invalid tokenizer files raise several types

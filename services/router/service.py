@@ -120,7 +120,7 @@ def run(config: Config) -> int:
     """Serve until SIGTERM/SIGINT (uvicorn handles both and drains); returns the exit code."""
     import uvicorn
 
-    from pagedserve.services.worker.model_loader import ModelLoadError
+    from pagedserve.services.model_dir import ModelLoadError
 
     logging.basicConfig(level=config.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     try:   # a taken port fails here, in one line, before the model loads and the app starts

@@ -23,6 +23,7 @@ from pagedserve.services.config_fields import positive
 from pagedserve.services.flags import ProcessConfig, opt
 from pagedserve.services.heartbeat import Heartbeat, HeartbeatWatch
 from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
+from pagedserve.services.model_dir import context_length, read_model_dir
 from pagedserve.services.process import on_stop_signals, service_main
 from pagedserve.services.rpc import PeerTimeout, RpcClient
 from pagedserve.services.state import redact_url
@@ -77,10 +78,8 @@ LEASE_S = 5.0   # the replica's lease in the shared state, renewed every heartbe
 
 class SchedulerService:
     def __init__(self, config: Config):
-        from pagedserve.services.worker.model_loader import context_length, inspect_model_dir
-
         self.config = config
-        _, spec = inspect_model_dir(config.model)
+        spec = read_model_dir(config.model)     # config.json alone: this process never loads torch
         self.guard = SocketGuard.from_setting(config.curve_keys, log)
         self.guard.check_listen(config.endpoint)   # before waiting for the peers: the operator's to fix
         self.ctx = zmq.Context()

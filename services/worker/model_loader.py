@@ -5,60 +5,14 @@ before any weight is read.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.limits import check_attention_shape
 from pagedserve.services.config_fields import DTYPES
+from pagedserve.services.model_dir import ModelLoadError, ModelSpec, context_length, read_model_dir  # noqa: F401
 from pagedserve.services.worker.models import MODEL_REGISTRY
-from pagedserve.services.worker.tp import (SINGLE, PackedPart, TensorParallel, TPConfigError, head_shard, read_shard,
-                                          read_slice)
-
-
-class ModelLoadError(Exception):
-    """The folder cannot be served: missing files, unsupported architecture, bad weights."""
-
-
-def context_length(asked: int | None, spec) -> int:
-    """--max-model-len as served: the model's own when not given; above the model's, refused (as
-    vLLM does) rather than quietly cut: positions past it were never trained."""
-    if asked is not None and asked > spec.max_model_len:
-        raise ModelLoadError(f"--max-model-len {asked} is above the model's context length "
-                             f"({spec.max_model_len}, max_position_embeddings in config.json)")
-    return asked or spec.max_model_len
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the rest of the system needs to know about a model, without its weights."""
-    path: str
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    num_attention_heads: int = 0         # query heads; 0: as many as KV heads (no GQA)
-    checkpoint_dtype: str = ""           # config.json's dtype / torch_dtype ("" when it names none)
-
-    def kv_heads_per_rank(self, tp_size: int = 1) -> int:
-        """KV heads in one tensor-parallel rank's pool; TPConfigError if the heads do not split."""
-        if tp_size == 1:
-            return self.num_kv_heads
-        num_heads = self.num_attention_heads or self.num_kv_heads
-        return head_shard(num_heads, self.num_kv_heads, TensorParallel(0, tp_size)).num_kv_heads
-
-    def block_bytes(self, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-        """Bytes of one KV block of one rank: K and V for every layer and for that rank's KV heads
-        (see docs/INTERFACES.md). Every rank's block has the same size."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim * itemsize
-
-
+from pagedserve.services.worker.tp import SINGLE, PackedPart, TensorParallel, TPConfigError, read_shard, read_slice
 
 
 def serving_dtype(requested: str, device: str, spec: ModelSpec) -> torch.dtype:
@@ -76,71 +30,15 @@ def serving_dtype(requested: str, device: str, spec: ModelSpec) -> torch.dtype:
     return getattr(torch, spec.checkpoint_dtype) if spec.checkpoint_dtype in DTYPES[1:] else torch.float16
 
 
-def _checkpoint_dtype(raw: dict) -> str:
-    # transformers >= 4.56 writes "dtype"; older checkpoints say "torch_dtype".
-    value = raw.get("dtype") or raw.get("torch_dtype") or ""
-    return str(value).removeprefix("torch.")
-
-
-def _eos_ids(path: Path, cfg) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [getattr(cfg, "eos_token_id", None)]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in sources:
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in ids:
-                ids.append(v)
-    return tuple(ids)
-
-
 def inspect_model_dir(model_dir: str | Path):
-    """Validate the folder and return (hf_config, ModelSpec) without touching the weights."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ModelLoadError(f"model folder {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model folder {path} has no config.json")
-    if not list(path.glob("*.safetensors")):
-        raise ModelLoadError(f"model folder {path} has no *.safetensors weights")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-    archs = raw.get("architectures") or []
-    supported = [a for a in archs if a in MODEL_REGISTRY]
-    if not supported:
-        raise ModelLoadError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                             f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+    """(transformers' config, ModelSpec): the folder checked and read by services/model_dir.py, and
+    the config object the model is built from (it imports torch, which the spec alone does not)."""
+    spec = read_model_dir(model_dir)
     from transformers import AutoConfig
     try:
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
-    from pagedserve.services.worker.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
-    rope_type = rope_type_of(cfg)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        # dynamic and longrope change every position's rotation with the sequence's length, which
-        # K/V already in the cache cannot follow: refused rather than served wrongly.
-        raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported; supported: "
-                             f"{', '.join(sorted(SUPPORTED_ROPE_TYPES))}")
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    max_len = cfg.max_position_embeddings
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True):
-        max_len = min(max_len, window)  # no sliding-window attention here: stay inside the window
-    spec = ModelSpec(
-        path=str(path), architecture=supported[0], num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        vocab_size=cfg.vocab_size, max_model_len=max_len, eos_token_ids=_eos_ids(path, cfg),
-        num_attention_heads=num_heads, checkpoint_dtype=_checkpoint_dtype(raw))
-    try:
-        # Here, on every device: a model the CPU path serves must not fail on its first CUDA step.
-        check_attention_shape(spec.head_dim, num_heads, spec.num_kv_heads)
-    except ValueError as e:
-        raise ModelLoadError(f"{path} cannot be served by the paged-attention kernels: {e}") from None
+        raise ModelLoadError(f"cannot read {Path(model_dir) / 'config.json'}: {e}") from None
     return cfg, spec
 
 

@@ -4,25 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.services.model_dir import SUPPORTED_ROPE_TYPES, rope_parameters
+
 
 def _rope_parameters(cfg) -> dict:
-    # transformers 5 keeps rope settings in `rope_parameters`; 4.x used rope_theta + rope_scaling.
-    params = getattr(cfg, "rope_parameters", None)
-    if params:
-        return dict(params)
-    params = dict(getattr(cfg, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    return params
-
-
-# Checked against transformers (positions past the original length included). dynamic and
-# longrope rescale with the sequence's current length, which cached K/V cannot follow.
-SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-
-
-def rope_type_of(cfg) -> str:
-    return _rope_parameters(cfg).get("rope_type", "default")
+    return rope_parameters(cfg.to_dict())
 
 
 class RotaryEmbedding(nn.Module):
