@@ -1,9 +1,10 @@
-"""pagedserve.services.protocol: every message round-trips, and anything malformed is a ProtocolError."""
+"""pagedserve.services.protocol (and its codec, protocol_codec): every message round-trips, and anything
+malformed is a ProtocolError."""
 import msgpack
 import numpy as np
 import pytest
 
-from pagedserve.services import protocol
+from pagedserve.services import protocol, protocol_codec
 from pagedserve.services.protocol import ProtocolError
 
 
@@ -43,11 +44,11 @@ def test_step_lists_travel_as_columns():
 def test_arrays_travel_as_frames():
     arr = np.arange(12, dtype=np.int32).reshape(3, 4)
     frames = [b""]
-    wire = protocol._to_wire(arr, frames)
+    wire = protocol_codec._to_wire(arr, frames)
     assert len(frames) == 2 and wire == {"__array__": 1, "dtype": "<i4", "shape": [3, 4]}
-    assert np.array_equal(protocol._from_wire(wire, frames), arr)
+    assert np.array_equal(protocol_codec._from_wire(wire, frames), arr)
     with pytest.raises(ProtocolError, match="bad array frame"):
-        protocol._from_wire({"__array__": 1, "dtype": "<i4", "shape": [5, 5]}, frames)
+        protocol_codec._from_wire({"__array__": 1, "dtype": "<i4", "shape": [5, 5]}, frames)
 
 
 SEQS_OK = {"seq_id": [1, 2], "token_ids": [[5], [6]], "start_pos": [0, 0], "samples": [[], []]}
