@@ -18,109 +18,36 @@ Prefix caching: a full block gets its chained hash when it is marked computed; a
 waits in the allocator's evictable LRU with its index entry until it is reused. Lookups never cover a
 prompt's last token, so the model always computes at least one token of a prompt.
 
-The host tier (host_cache_blocks > 0): a hashed device block that the LRU evicts is demoted, its
-bytes copied into a free host block that keeps its hash in a host index and waits in the host
-allocator's LRU, at most host_cache_blocks of them (the oldest makes room for the next). A lookup
-that misses on the device and hits there promotes the block: a fresh device block, the bytes copied
-back, the hash registered again; the host copy stays (a later demotion of the same hash copies
-nothing). Swapping comes first: a swap-out allocates host blocks as any allocation does, evicting
-host-tier blocks when no clean one is left, and a demotion never takes a block a sequence holds, so
-the tier lives only in host blocks no swapped request needs. Both copies happen inside the operation
-that causes them (before the evicted device block is written again), so they are part of the same
-deterministic log that a mirror and its replica replay.
+The host tier (host_cache_blocks > 0) keeps hashed blocks the device LRU evicts in host blocks no
+swapped sequence holds, and gives them back on a device miss: host_tier.py says how.
+
+This module holds the operations that change the block state; what the store holds and every read
+of it are its base, store_state.StoreState. The store's other jobs live beside it, each owned by it:
+the results it returns (results.py, whose names this module re-exports), its reports
+(store_report.py) and its state as data (store_snapshot.py).
 """
 
 from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-from pagedserve.kvstore.allocator import AllocationPolicy, BlockAllocator, PagedPolicy, blocks_for_tokens
 from pagedserve.kvstore.block_table import DEVICE, HOST, SequenceTable
-from pagedserve.kvstore.prefix_index import PrefixIndex, extend_hashes
+from pagedserve.kvstore.prefix_index import extend_hashes
+# Re-exported: the op log, the services and the tests import these from here.
+from pagedserve.kvstore.results import AllocResult, AppendResult, BatchAppendResult, SwapResult
+from pagedserve.kvstore.store_snapshot import wire_keys
+from pagedserve.kvstore.store_state import StoreState
 
-if TYPE_CHECKING:   # the pools copy themselves: no torch in a pool-less store (the scheduler's mirror)
-    from pagedserve.kvstore.pool import BlockPool
-
-
-@dataclass
-class AllocResult:
-    ok: bool
-    num_cached_tokens: int = 0
-    reason: str = ""
-    num_host_cached_tokens: int = 0   # of num_cached_tokens, those the host tier gave back
-
-
-@dataclass
-class AppendResult:
-    ok: bool
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src_block, dst_block)
-    reason: str = ""
-
+__all__ = ["AllocResult", "AppendResult", "BatchAppendResult", "BlockStore", "SwapResult", "wire_keys"]
 
 _LOCATION = operator.attrgetter("location")
 _TOKEN_IDS = operator.attrgetter("token_ids")
 
 
-@dataclass
-class BatchAppendResult:
-    ok: bool
-    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, src_block, dst_block)
-    reason: str = ""
-
-
-@dataclass
-class SwapResult:
-    ok: bool
-    # swap_out: (device_block, host_block); swap_in: (host_block, device_block); one per distinct block
-    mapping: list[tuple[int, int]] = field(default_factory=list)
-    reason: str = ""
-
-
-class BlockStore:
+class BlockStore(StoreState):
     """Device + host block pools, refcounts, block tables and the device prefix index."""
-
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, device_pools: Sequence[BlockPool] = (),
-                 host_pools: Sequence[BlockPool] = (), policy: AllocationPolicy | None = None,
-                 host_cache_blocks: int = 0):
-        """host_cache_blocks: the most host blocks the host tier may keep (capped at the host pool;
-        0, or no prefix caching: no host tier)."""
-        if block_size <= 0 or num_device_blocks < 0 or num_host_blocks < 0 or host_cache_blocks < 0:
-            raise ValueError("block_size must be positive and block counts non-negative")
-        _check_pools(num_device_blocks, num_host_blocks, device_pools, host_pools)
-        self.block_size = block_size
-        self.policy: AllocationPolicy = policy if policy is not None else PagedPolicy()
-        self.device_pools = tuple(device_pools)
-        self.host_pools = tuple(host_pools)
-        self._index = PrefixIndex() if enable_prefix_caching and self.policy.prefix_caching else None
-        self.host_cache_blocks = min(host_cache_blocks, num_host_blocks) if self._index is not None else 0
-        self._host_index = PrefixIndex() if self.host_cache_blocks else None
-        self._evicted: list[tuple[int, bytes]] = []   # (device block, its hash) evicted, not yet demoted
-        self._device = BlockAllocator(num_device_blocks,
-                                      on_evict=self._evict_device if self._index is not None else None)
-        self._host = BlockAllocator(num_host_blocks,
-                                    on_evict=self._host_index.drop if self._host_index is not None else None)
-        self._seqs: dict[int, SequenceTable] = {}
-        self._counters = Counter()
-        self._peak_device_used = 0
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._index is not None
-
-    @property
-    def num_free_device_blocks(self) -> int:
-        return self._device.num_free
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        return self._host.num_free
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -169,7 +96,8 @@ class BlockStore:
                 self._alloc(HOST if host else DEVICE).incref(b)
             fresh = iter(self._device_allocate(new))
             blocks = [next(fresh) if host else b for b, host in hits]   # a host hit comes back in a new block
-            self._promote([(i, b, blocks[i]) for i, (b, host) in enumerate(hits) if host], hashes)
+            if self._tier is not None:
+                self._tier.promote([(i, b, blocks[i]) for i, (b, host) in enumerate(hits) if host], hashes)
             blocks += fresh
         self._seqs[seq_id] = SequenceTable(blocks=blocks, token_ids=tokens, extra_keys=extras,
                                            location=DEVICE, reserved_blocks=reserve, hashes=hashes,
@@ -201,57 +129,15 @@ class BlockStore:
             hits.append((block, True))
         return hits
 
-    # ---- the host tier -----------------------------------------------------------------------
-
-    def _evict_device(self, block: int) -> None:
-        """The device LRU hands out a hashed block: its hash leaves the device index; with a host
-        tier it waits to be demoted once the allocation that evicted it returns."""
-        if self._host_index is not None:
-            self._evicted.append((block, self._index.hash_of(block)))
-        self._index.drop(block)
+    # ---- the host tier (host_tier.py; StoreState._evict_device holds what the LRU evicts) ---
 
     def _device_allocate(self, n: int) -> list[int]:
         """n device blocks (BlockAllocator.allocate), the hashed ones it evicted demoted before
         anyone writes them."""
         blocks = self._device.allocate(n)
-        if self._evicted:
-            evicted, self._evicted = self._evicted, []
-            self._demote(evicted)
+        if self._tier is not None:
+            self._tier.demote_evicted()
         return blocks
-
-    def _demote(self, evicted: list[tuple[int, bytes]]) -> None:
-        pairs = []   # (device block, host block)
-        for block, h in evicted:
-            if self._host_index.block_of(h) is not None:
-                continue   # its bytes are on the host already (it was promoted from there)
-            host = self._host_block_for_cache()
-            if host is None:
-                break      # every host block is held by a swapped sequence
-            self._host_index.register(host, h)
-            self._host.decref(host, keep_cached=True)   # free, the newest in the host LRU
-            pairs.append((block, host))
-        for dp, hp in zip(self.device_pools, self.host_pools):
-            dp.copy_to(hp, pairs)
-        self._counters["host_cache_demotions"] += len(pairs)
-
-    def _host_block_for_cache(self) -> int | None:
-        """A host block for the next demoted block (refcount 1), or None. A full tier replaces its
-        own oldest block; below its cap it takes a clean block, else the oldest cached one."""
-        if len(self._host_index) >= self.host_cache_blocks:
-            return self._host.reuse_oldest() if self._host.num_evictable else None
-        return self._host.allocate(1)[0] if self._host.num_free else None
-
-    def _promote(self, moves: list[tuple[int, int, int]], hashes: list[bytes]) -> None:
-        """moves: (logical index, host block, new device block) of each host hit; the host blocks
-        are held (refcount 1) by the caller. Copy each back, key it on the device, let the host
-        block go (the newest in the host LRU: it was just used)."""
-        pairs = [(host, dev) for _, host, dev in moves]
-        for hp, dp in zip(self.host_pools, self.device_pools):
-            hp.copy_to(dp, pairs)
-        for i, host, dev in moves:
-            self._index.register(dev, hashes[i])
-            self._host.decref(host, keep_cached=True)
-        self._counters["host_cache_promotions"] += len(moves)
 
     # ---- growth, copy-on-write, prefix registration ----------------------------------------
 
@@ -480,259 +366,6 @@ class BlockStore:
         self._note_peak()
         return SwapResult(True, mapping)
 
-    # ---- queries ---------------------------------------------------------------------------
-
-    def seq_ids(self) -> list[int]:
-        return list(self._seqs)
-
-    def live_seq_ids(self):
-        """A live, read-only view of the sequence ids (set operations on it run in C)."""
-        return self._seqs.keys()
-
-    def block_table(self, seq_id: int) -> list[int]:
-        return list(self._table(seq_id).blocks)
-
-    def block_table_view(self, seq_id: int) -> list[int]:
-        """The live table, uncopied (the per-step hot path): read it now, never change or keep it."""
-        t = self._seqs.get(seq_id)
-        return t.blocks if t is not None else self._table(seq_id).blocks
-
-    def num_tokens(self, seq_id: int) -> int:
-        t = self._seqs.get(seq_id)   # asked per sequence per step: skip _table's call when it exists
-        return len(t.token_ids) if t is not None else self._table(seq_id).num_tokens
-
-    def num_tokens_of(self, seq_ids: list[int]) -> list[int]:
-        """num_tokens of each, in one call (asked for every running sequence every step)."""
-        seqs = self._seqs
-        try:
-            return [len(seqs[i].token_ids) for i in seq_ids]
-        except KeyError as e:
-            raise ValueError(f"unknown sequence {e.args[0]}") from None
-
-    def location(self, seq_id: int) -> str:
-        return self._table(seq_id).location
-
-    def token_ids(self, seq_id: int) -> list[int]:
-        return list(self._table(seq_id).token_ids)
-
-    def last_token_ids(self, seq_id: int, n: int) -> list[int]:
-        """The sequence's last n token ids (a slice: no copy of the whole list)."""
-        return self._table(seq_id).token_ids[-n:] if n else []
-
-    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots (block * B + offset) of token positions start .. end-1 of a sequence."""
-        t = self._table(seq_id)
-        if not 0 <= start <= end <= t.num_tokens:
-            raise ValueError(f"positions {start}..{end} outside sequence {seq_id} "
-                             f"of {t.num_tokens} tokens")
-        return [t.slot(p, self.block_size) for p in range(start, end)]
-
-    def refcount(self, block: int, location: str = DEVICE) -> int:
-        return self._alloc(location).refcount(block)
-
-    def evictable_blocks(self) -> list[int]:
-        """Cached free device blocks, the next to be evicted first."""
-        return self._device.evictable_blocks()
-
-    def block_hash(self, block: int) -> bytes | None:
-        """The prefix key of a device block, None if it has none."""
-        return self._index.hash_of(block) if self._index is not None else None
-
-    def stats(self) -> dict:
-        """Counts for metrics and tests. Slot counts take each physical block once (shared blocks
-        are not double-counted); empty slots are those of used blocks that hold no token yet."""
-        filled = {DEVICE: {}, HOST: {}}
-        for t in self._seqs.values():
-            per_block = filled[t.location]
-            for i, b in enumerate(t.blocks):
-                per_block[b] = max(per_block.get(b, 0), t.filled(i, self.block_size))
-        out = {}
-        for loc, alloc in ((DEVICE, self._device), (HOST, self._host)):
-            slots = sum(filled[loc].values())
-            out[f"{loc}_blocks_total"] = alloc.num_blocks
-            out[f"{loc}_blocks_used"] = alloc.num_used
-            out[f"{loc}_blocks_free"] = alloc.num_free
-            out[f"{loc}_token_slots_filled"] = slots
-            out[f"{loc}_token_slots_empty"] = alloc.num_used * self.block_size - slots
-        out["device_blocks_evictable"] = self._device.num_evictable
-        out["device_blocks_cached"] = len(self._index) if self._index is not None else 0
-        out["host_blocks_cached"] = len(self._host_index) if self._host_index is not None else 0
-        out["host_cache_blocks_max"] = self.host_cache_blocks
-        out["device_blocks_peak_used"] = self._peak_device_used
-        out["num_sequences"] = len(self._seqs)
-        for name in ("prefix_queries_tokens", "prefix_hit_tokens", "host_queries_tokens", "host_hit_tokens",
-                     "host_cache_demotions", "host_cache_promotions", "cow_copies",
-                     "swap_outs", "swap_out_blocks", "swap_ins", "swap_in_blocks"):
-            out[name] = self._counters[name]
-        return out
-
-    @property
-    def host_cache_copies(self) -> int:
-        """Blocks copied between the tiers so far, either way (a step that copied any moves bytes)."""
-        return self._counters["host_cache_demotions"] + self._counters["host_cache_promotions"]
-
-    # ---- the state as data: a restarted scheduler's mirror is built from it ------------------
-
-    def snapshot(self) -> dict:
-        """Every piece of block state, no bytes and no counters, in plain lists (msgpack carries
-        them unchanged): a store restored from it answers every later operation as this one does."""
-        return {"device": self._device.snapshot(), "host": self._host.snapshot(),
-                "index": _index_rows(self._index), "host_index": _index_rows(self._host_index),
-                "seqs": [[seq_id, list(t.blocks), list(t.token_ids), wire_keys(t.extra_keys), t.location,
-                          t.reserved_blocks, list(t.hashes), t.num_registered, t.final_tokens]
-                         for seq_id, t in self._seqs.items()]}
-
-    def restore(self, snap: dict) -> None:
-        """Take a snapshot() of a store of the same shape (pools, block size, policy, tiers) into
-        this one, whose own state it replaces; ValueError (this store unchanged) when it is not
-        such a snapshot."""
-        before = self.snapshot()
-        try:
-            self._restore(snap)
-            self.check_invariants()
-        except (KeyError, TypeError, ValueError, AssertionError, AttributeError) as e:
-            self._restore(before)
-            raise ValueError(f"not a snapshot of this store: {e!r}") from None
-
-    def _restore(self, snap: dict) -> None:
-        self._device.restore(snap["device"])
-        self._host.restore(snap["host"])
-        for index, rows in ((self._index, snap["index"]), (self._host_index, snap["host_index"])):
-            if (index is None) != (rows is None):
-                raise ValueError("the snapshot's prefix caching or host tier is not this store's")
-            if index is not None:
-                index.clear()
-                for h, b in rows:
-                    if not index.register(b, bytes(h)):
-                        raise ValueError(f"block {b} or its hash is keyed twice")
-        self._seqs = {}
-        for seq_id, blocks, tokens, keys, location, reserved, hashes, registered, final in snap["seqs"]:
-            self._seqs[seq_id] = SequenceTable(list(blocks), list(tokens), tuple(keys), location, reserved,
-                                               [bytes(h) for h in hashes], registered, final)
-        self._evicted = []
-
-    def kv_usage(self, waiting_tokens: int | None = None, waiting_final: int | None = None) -> dict[str, int]:
-        """The device pool's token slots split as the paper's Fig. 2 (they sum to the pool):
-        token_states (slots holding a token), reserved (empty slots below the sequence's final
-        length: its future tokens will fill them), internal_fragmentation (empty slots of held
-        blocks past the final length: never filled), external_fragmentation (free slots in free
-        runs too short for the region the waiting request needs; only a contiguous policy has
-        any), free (the rest). waiting_*: the head of the scheduler's waiting queue, if any.
-        A block shared by several tables counts once, as the most filled of them sees it; the
-        extra key table_slots counts it once per table (what the tables would hold unshared)."""
-        bs = self.block_size
-        filled = reserved = table_blocks = 0
-        shared: dict[int, tuple[int, int]] = {}
-        refcount_of = self._device._refcounts.__getitem__
-        for t in self._seqs.values():
-            if t.location != DEVICE:
-                continue
-            n, final, blocks = len(t.token_ids), max(t.final_tokens, len(t.token_ids)), t.blocks
-            table_blocks += len(blocks)
-            if max(map(refcount_of, blocks), default=1) == 1:   # no block shared (C-level scan)
-                filled += n
-                reserved += min(final, len(blocks) * bs) - n
-                continue
-            for i, b in enumerate(blocks):   # forks and beams: per block, each block once
-                f = min(bs, max(0, n - i * bs))
-                r = min(bs, max(0, final - i * bs)) - f
-                old = shared.get(b)
-                shared[b] = (f, r) if old is None or f > old[0] else old
-        for f, r in shared.values():
-            filled += f
-            reserved += r
-        held = self._device.num_used * bs
-        runs = self._device.free_runs() if self.policy.contiguous and waiting_tokens else []
-        if runs:
-            need = self.policy.blocks_to_reserve(waiting_tokens, waiting_final, bs)
-            external = sum(r for r in runs if r < need) * bs
-        else:
-            external = 0
-        return {"token_states": filled, "reserved": reserved,
-                "internal_fragmentation": held - filled - reserved, "external_fragmentation": external,
-                "free": self._device.num_free * bs - external, "table_slots": table_blocks * bs}
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent. O(total blocks): for tests."""
-        held = {DEVICE: Counter(), HOST: Counter()}
-        for seq_id, t in self._seqs.items():
-            _require(t.location in held, f"seq {seq_id}: bad location {t.location}")
-            held[t.location].update(t.blocks)
-            _require(len(set(t.blocks)) == len(t.blocks), f"seq {seq_id} holds a block twice")
-            # The memory rule: tokens fill blocks front to back, so only the last block holding
-            # tokens is partly filled, and a sequence holds no block past it beyond its reservation.
-            want = max(blocks_for_tokens(t.num_tokens, self.block_size), t.reserved_blocks)
-            _require(len(t.blocks) == want, f"seq {seq_id}: {len(t.blocks)} blocks for "
-                                            f"{t.num_tokens} tokens, expected {want}")
-            if self.policy.contiguous and t.location == DEVICE:
-                region = t.blocks[:t.reserved_blocks]
-                _require(region == list(range(region[0], region[0] + len(region))),
-                         f"seq {seq_id}: its region {region} is not contiguous")
-            _require(t.num_registered * self.block_size <= t.num_tokens,
-                     f"seq {seq_id} registered past its tokens")
-            if t.location == DEVICE and self._index is not None:
-                self._check_hashes(seq_id, t)
-        for loc, alloc in ((DEVICE, self._device), (HOST, self._host)):
-            clean, lru = alloc.clean_blocks(), alloc.evictable_blocks()
-            free = set(clean) | set(lru)
-            _require(len(free) == len(clean) + len(lru), f"{loc}: a block is free twice")
-            _require(len(free) + alloc.num_used == alloc.num_blocks, f"{loc}: free + used != total")
-            for b in range(alloc.num_blocks):
-                rc = alloc.refcount(b)
-                _require(rc == held[loc][b], f"{loc} block {b}: refcount {rc}, "
-                                             f"held by {held[loc][b]} tables")
-                _require((rc == 0) == (b in free), f"{loc} block {b}: refcount {rc} vs free list")
-                has_hash = self._has_hash(b, loc)
-                if b in free:
-                    _require(has_hash == (b in lru), f"{loc} block {b}: cached iff evictable")
-                elif loc == HOST:
-                    _require(not has_hash, f"host block {b}: held by a sequence and in the host tier")
-        for index in (self._index, self._host_index):
-            for h, b in index.items() if index is not None else ():
-                _require(index.hash_of(b) == h, f"index maps are not inverse at block {b}")
-        if self._host_index is not None:
-            _require(len(self._host_index) <= self.host_cache_blocks,
-                     f"the host tier holds {len(self._host_index)} blocks, over its {self.host_cache_blocks}")
-        else:
-            _require(self._host.num_evictable == 0, "host blocks cached without a host tier")
-
-    def _check_hashes(self, seq_id: int, t: SequenceTable) -> None:
-        # A keyed block must hold exactly the tokens (and extras) its key names in this sequence.
-        full = t.num_tokens // self.block_size
-        hashes = list(t.hashes[:full])
-        extend_hashes(hashes, t.token_ids, self.block_size, full, t.extra_keys)
-        for i, b in enumerate(t.blocks):
-            h = self._index.hash_of(b)
-            if h is not None:
-                _require(i < full and h == hashes[i], f"seq {seq_id} block {i} ({b}): wrong key")
-
-    # ---- helpers ---------------------------------------------------------------------------
-
-    def _table(self, seq_id: int, location: str | None = None) -> SequenceTable:
-        t = self._seqs.get(seq_id)
-        if t is None:
-            raise ValueError(f"unknown sequence {seq_id}")
-        if location is not None and t.location != location:
-            raise ValueError(f"sequence {seq_id} is on {t.location}, not {location}")
-        return t
-
-    def _tables(self, seq_ids: Iterable[int], location: str) -> list[SequenceTable]:
-        ids = list(seq_ids)
-        if len(ids) > 1 and len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate sequence ids in {ids}")
-        return [self._table(s, location) for s in ids]
-
-    def _alloc(self, location: str) -> BlockAllocator:
-        if location == DEVICE:
-            return self._device
-        if location == HOST:
-            return self._host
-        raise ValueError(f"location must be {DEVICE!r} or {HOST!r}, not {location!r}")
-
-    def _has_hash(self, block: int, location: str) -> bool:
-        index = self._index if location == DEVICE else self._host_index
-        return index is not None and index.hash_of(block) is not None
-
     @staticmethod
     def _group_refs(tables: list[SequenceTable]) -> Counter[int]:
         """Distinct blocks of a group, in first-seen order, with how many of its tables hold each."""
@@ -740,35 +373,3 @@ class BlockStore:
         for t in tables:
             refs.update(t.blocks)
         return refs
-
-    def _note_peak(self) -> None:
-        self._peak_device_used = max(self._peak_device_used, self._device.num_used)
-
-
-def _index_rows(index: PrefixIndex | None) -> list | None:
-    return [[h, b] for h, b in index.items()] if index is not None else None
-
-
-def wire_keys(keys) -> list:
-    """Extra keys as msgpack gives them back (tuples become lists; the hash treats both alike)."""
-    return [wire_keys(k) if isinstance(k, (tuple, list)) else k for k in keys]
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise AssertionError(msg)
-
-
-def _check_pools(num_device_blocks: int, num_host_blocks: int, device_pools: Sequence[BlockPool],
-                 host_pools: Sequence[BlockPool]) -> None:
-    if device_pools and host_pools and len(device_pools) != len(host_pools):
-        raise ValueError("device_pools[i] swaps with host_pools[i]: give as many of each")
-    if (bool(device_pools) != bool(host_pools)) and num_host_blocks > 0 and num_device_blocks > 0:
-        raise ValueError("with host blocks, give host pools for the device pools (or neither)")
-    for pools, n in ((device_pools, num_device_blocks), (host_pools, num_host_blocks)):
-        for p in pools:
-            if p.num_blocks < n:
-                raise ValueError(f"pool {p.name} has {p.num_blocks} blocks, store needs {n}")
-    for dp, hp in zip(device_pools, host_pools):
-        if dp.block_bytes != hp.block_bytes:
-            raise ValueError(f"pools {dp.name} and {hp.name} differ in block_bytes")
