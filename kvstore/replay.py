@@ -66,36 +66,15 @@ def encode_result(r: Any) -> Any:
 
 # ---- recording on the mirror -------------------------------------------------------------------
 
-# Read-only methods, bound straight onto the wrapper: the scheduler calls some of them per sequence
-# per step, and an instance attribute costs nothing where __getattr__ would cost a Python call.
-_READS = ("can_allocate", "append_blocks_needed", "can_append", "can_swap_in", "swap_in_blocks_needed", "can_swap_out",
-          "seq_ids", "live_seq_ids", "block_table", "block_table_view", "num_tokens", "num_tokens_of", "location", "token_ids", "last_token_ids", "slot_mapping",
-          "refcount", "evictable_blocks", "block_hash", "stats", "kv_usage", "check_invariants", "snapshot")
+class RecordingStore(BlockStore):
+    """A BlockStore that also logs its state changes: the scheduler's mirror. It is the store
+    itself (a subclass), so every read and property is the store's own, at the store's cost; only
+    the mutating operations are wrapped, each to write its own op in the log's wire form."""
 
-
-class RecordingStore:
-    """A BlockStore that logs its state changes; behaves exactly like the store it wraps."""
-
-    def __init__(self, store: BlockStore):
-        self.store = store
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._ops: list[list] = []
         self._results: list = []
-        for name in _READS:
-            setattr(self, name, getattr(store, name))
-
-    # The store's properties, read through.
-    block_size = property(lambda self: self.store.block_size)
-    policy = property(lambda self: self.store.policy)
-    device_pools = property(lambda self: self.store.device_pools)
-    host_pools = property(lambda self: self.store.host_pools)
-    enable_prefix_caching = property(lambda self: self.store.enable_prefix_caching)
-    num_free_device_blocks = property(lambda self: self.store.num_free_device_blocks)
-    num_free_host_blocks = property(lambda self: self.store.num_free_host_blocks)
-    host_cache_blocks = property(lambda self: self.store.host_cache_blocks)
-    host_cache_copies = property(lambda self: self.store.host_cache_copies)
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self.store
 
     def drain(self) -> tuple[list[list], list]:
         """The ops recorded since the last drain and their encoded results; clears the log."""
@@ -108,12 +87,12 @@ class RecordingStore:
     def restore(self, snapshot: dict) -> None:
         """Take the replica's state (BlockStore.restore): nothing to record, the replica has it
         already, and what was recorded before it no longer applies."""
-        self.store.restore(snapshot)
+        super().restore(snapshot)
         self._ops, self._results = [], []
 
     def allocate(self, seq_id: int, token_ids, extra_keys: tuple = (),
                  max_total_tokens: int | None = None) -> AllocResult:
-        r = self.store.allocate(seq_id, token_ids, extra_keys, max_total_tokens)
+        r = super().allocate(seq_id, token_ids, extra_keys, max_total_tokens)
         if r.ok:
             self._ops.append(["allocate", int(seq_id), [int(t) for t in token_ids],
                               wire_keys(extra_keys), max_total_tokens])
@@ -121,53 +100,54 @@ class RecordingStore:
         return r
 
     def append_slots(self, seq_id: int, token_ids) -> AppendResult:
-        r = self.store.append_slots(seq_id, token_ids)
+        r = super().append_slots(seq_id, token_ids)
         n = len(token_ids)
         if r.ok and n:
             # The store's own copy of the new tokens: already plain ints, and a slice is cheaper
             # than converting them again.
-            self._ops.append(["append_slots", int(seq_id), self.store.last_token_ids(seq_id, n)])
+            self._ops.append(["append_slots", int(seq_id), self.last_token_ids(seq_id, n)])
             self._results.append(encode_result(r))
         return r
 
     def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> BatchAppendResult:
-        r = self.store.append_tokens(seq_ids, token_ids)
+        r = super().append_tokens(seq_ids, token_ids)
         if r.ok and seq_ids:
             self._ops.append(["append_tokens", list(seq_ids), list(map(int, token_ids))])
             self._results.append(encode_result(r))
         return r
 
     def set_tokens(self, seq_ids: list[int], positions: list[int], token_ids: list[int]) -> None:
-        self.store.set_tokens(seq_ids, positions, token_ids)
+        super().set_tokens(seq_ids, positions, token_ids)
         if seq_ids:
             self._ops.append(["set_tokens", list(seq_ids), list(positions), list(map(int, token_ids))])
             self._results.append(None)
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
-        keyed = self.store.mark_computed(seq_id, num_computed_tokens)  # raises on a bad seq or range
+        keyed = super().mark_computed(seq_id, num_computed_tokens)  # raises on a bad seq or range
         if keyed:
             self._ops.append(["mark_computed", int(seq_id), int(num_computed_tokens)])
             self._results.append(None)
         return keyed
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        self.store.fork(parent_id, child_id)
+        super().fork(parent_id, child_id)
         self._ops.append(["fork", int(parent_id), int(child_id)])
         self._results.append(None)
 
     def free(self, seq_id: int) -> None:
-        self.store.free(seq_id)
+        super().free(seq_id)
         self._ops.append(["free", int(seq_id)])
         self._results.append(None)
 
     def swap_out(self, seq_ids) -> SwapResult:
-        return self._swap("swap_out", [int(s) for s in seq_ids])
+        ids = [int(s) for s in seq_ids]
+        return self._logged("swap_out", ids, super().swap_out(ids))
 
     def swap_in(self, seq_ids) -> SwapResult:
-        return self._swap("swap_in", [int(s) for s in seq_ids])
+        ids = [int(s) for s in seq_ids]
+        return self._logged("swap_in", ids, super().swap_in(ids))
 
-    def _swap(self, op: str, ids: list[int]) -> SwapResult:
-        r = getattr(self.store, op)(ids)
+    def _logged(self, op: str, ids: list[int], r: SwapResult) -> SwapResult:
         if r.ok:
             self._ops.append([op, ids])
             self._results.append(encode_result(r))

@@ -249,7 +249,9 @@ class BlockStore(StoreState):
         copies = []
         for k in growing:
             seq_id, token = seq_ids[k], token_ids[k]
-            r = self.append_slots(seq_id, (token,))
+            # BlockStore's own, not an override's: the batch is one operation (a recording mirror,
+            # replay.RecordingStore, logs it once as append_tokens).
+            r = BlockStore.append_slots(self, seq_id, (token,))
             if not r.ok:   # the count above said it fits: a mismatch is a bug, not a shortage
                 raise RuntimeError(f"append_tokens: sequence {seq_id} failed after the batch was counted: {r.reason}")
             copies += [(seq_id, src, dst) for src, dst in r.copies]

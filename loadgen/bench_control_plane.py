@@ -92,7 +92,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
     client = KVStoreClient(endpoint, timeout_s=10)
     try:
         wait_ready(client, proc)
-        mirror = RecordingStore(BlockStore(num_blocks, 0, BLOCK_SIZE))
+        mirror = RecordingStore(num_blocks, 0, BLOCK_SIZE)
         local = BlockStore(num_blocks, 0, BLOCK_SIZE)   # the replay alone, timed in this process
         sched = Scheduler(SchedulerConfig(max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=2048,
                                           max_model_len=max_len + 1),

@@ -100,8 +100,8 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
     bs = cfg.block_size
     num_blocks = preset.num_kv_tokens() // bs
     host_blocks = int(cfg.swap_space_gib * GiB) // (preset.model.kv_bytes_per_token * bs)
-    store = RecordingStore(BlockStore(num_blocks, host_blocks, bs, enable_prefix_caching=cfg.prefix_caching,
-                                      policy=make_policy(cfg.allocation, max_len)))
+    store = RecordingStore(num_blocks, host_blocks, bs, enable_prefix_caching=cfg.prefix_caching,
+                                      policy=make_policy(cfg.allocation, max_len))
     now = [0.0]
     sched = Scheduler(scheduler_config or SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,

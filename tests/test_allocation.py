@@ -87,7 +87,7 @@ def test_kv_usage_splits_every_slot_into_the_five_parts():
 
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
 def test_the_replica_replays_every_policy_to_the_same_state(allocation):
-    mirror = RecordingStore(BlockStore(48, 8, B, policy=make_policy(allocation, 32)))
+    mirror = RecordingStore(48, 8, B, policy=make_policy(allocation, 32))
     replica = BlockStore(48, 8, B, policy=make_policy(allocation, 32))
     for seq in range(5):
         assert mirror.allocate(seq, [seq] * (3 + seq), max_total_tokens=9 + seq).ok
@@ -119,7 +119,7 @@ def run(sched: Scheduler, clock: list[float], max_steps: int = 10_000) -> list:
 
 def make(allocation: str, blocks: int, batching: str = "iteration", **kw):
     clock = [0.0]
-    store = RecordingStore(BlockStore(blocks, 0, B, policy=make_policy(allocation, 32)))
+    store = RecordingStore(blocks, 0, B, policy=make_policy(allocation, 32))
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, batching=batching,
                           kv_usage_interval_s=0.0, **kw)
     return Scheduler(cfg, store, clock=lambda: clock[0]), clock

@@ -30,7 +30,7 @@ def test_cow_and_swap_bytes_over_cuda_ipc():
         (device,), (host,) = attach_pools(info, "device"), attach_pools(info, "host")
         assert device.blocks.is_cuda and tuple(device.blocks.shape) == (DEVICE_BLOCKS, BLOCK_BYTES)
         sync = StepSync(info.event_handles[0], info.step_event_handles[0], "cuda:0")
-        mirror, step = RecordingStore(BlockStore(DEVICE_BLOCKS, HOST_BLOCKS, B)), 0
+        mirror, step = RecordingStore(DEVICE_BLOCKS, HOST_BLOCKS, B), 0
 
         def apply():
             nonlocal step

@@ -180,7 +180,7 @@ def test_the_scheduler_waits_for_the_kvstore_when_its_mirror_demoted_or_promoted
     """A pool-less mirror counts the copies its replica will make; a log with any must be replayed
     before the worker writes the step (a demoted block is handed out in it), so it 'moves bytes'."""
     from pagedserve.services.scheduler.service import _moves_bytes
-    mirror = RecordingStore(BlockStore(8, 8, B, host_cache_blocks=8))
+    mirror = RecordingStore(8, 8, B, host_cache_blocks=8)
     mirror.allocate(1, list(range(13)))
     mirror.mark_computed(1, 13)
     mirror.free(1)
@@ -208,7 +208,7 @@ class ServedDriver(test_replay.Driver):
             protocol.PoolInfo(test_replay.B, test_replay.B, n_dev, n_host, [pools[0].name], [pools[1].name],
                               host_cache_blocks=host_cache_blocks))
         self.replica = self.service.store
-        self.make_mirror = lambda: RecordingStore(BlockStore(n_dev, n_host, test_replay.B, **kw))
+        self.make_mirror = lambda: RecordingStore(n_dev, n_host, test_replay.B, **kw)
         self.mirror = self.make_mirror()
         self.step, self.restarts = 0, 0
 
@@ -274,7 +274,7 @@ def test_a_resumed_scheduler_hits_the_prefixes_of_the_one_before(pools):
     service = KVStoreService(lambda: p.store(host_cache_blocks=8),
                              protocol.PoolInfo(B, BLOCK_BYTES, 16, 8, [x.name for x in p.device],
                                                [x.name for x in p.host], host_cache_blocks=8))
-    mirror = RecordingStore(BlockStore(16, 8, B, host_cache_blocks=8))
+    mirror = RecordingStore(16, 8, B, host_cache_blocks=8)
     prompt = list(range(21))                       # 5 full blocks before the last token
     mirror.allocate(1, prompt)
     mirror.mark_computed(1, 21)
@@ -292,7 +292,7 @@ def test_a_resumed_scheduler_hits_the_prefixes_of_the_one_before(pools):
     s = service.store.stats()
     assert s["device_blocks_used"] == 0 and s["host_blocks_used"] == 0 and s["num_sequences"] == 0
     assert s["device_blocks_cached"] == before["device_blocks_cached"] == 6
-    fresh = RecordingStore(BlockStore(16, 8, B, host_cache_blocks=8))
+    fresh = RecordingStore(16, 8, B, host_cache_blocks=8)
     fresh.restore(snap.snapshot)
     r = fresh.allocate(0, prompt + [77])           # the new scheduler's first request, same prefix
     assert r.ok and r.num_cached_tokens == 20

@@ -66,7 +66,7 @@ class Session:
         self.proc = start(self.endpoint, "--log-level", "WARNING")
         self.client = KVStoreClient(self.endpoint, timeout_s=10)
         wait_ready(self.proc, self.client)
-        self.mirror = RecordingStore(BlockStore(DEVICE_BLOCKS, HOST_BLOCKS, B))
+        self.mirror = RecordingStore(DEVICE_BLOCKS, HOST_BLOCKS, B)
         self.step = 0
         self.next_seq = 0
 

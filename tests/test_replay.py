@@ -28,7 +28,7 @@ def pools():
 
 
 def mirror(**kw) -> RecordingStore:
-    return RecordingStore(BlockStore(DEVICE_BLOCKS, HOST_BLOCKS, B, **kw))
+    return RecordingStore(DEVICE_BLOCKS, HOST_BLOCKS, B, **kw)
 
 
 def replica(pools, **kw) -> BlockStore:
@@ -136,16 +136,20 @@ def test_random_logs_replay_to_identical_state_and_bytes(seed, prefix_caching, p
     assert (stats["prefix_hit_tokens"] > 0) == prefix_caching
 
 
-def test_recording_store_has_every_public_name_of_block_store():
-    store = BlockStore(4, 0, B)
-    rec = RecordingStore(store)
-    missing = [n for n in dir(store) if not n.startswith("_") and not hasattr(rec, n)]
-    assert missing == []
-    assert rec.block_size == B and rec.num_free_device_blocks == 4 and 0 not in rec
+def test_a_batch_append_that_takes_new_blocks_is_one_op_in_the_log():
+    # append_tokens grows a sequence past its block through BlockStore.append_slots: the mirror
+    # (a subclass) must log the batch once, not also each append_slots inside it.
+    m = RecordingStore(4, 0, B)
+    assert m.allocate(0, list(range(B))).ok and m.allocate(1, [1]).ok   # 0's block is full
+    m.drain()
+    assert m.append_tokens([0, 1], [7, 8]).ok
+    ops, results = m.drain()
+    assert ops == [["append_tokens", [0, 1], [7, 8]]] and results == [[True, []]]
+    assert 0 in m and m.block_size == B and m.num_free_device_blocks == 1
 
 
 def test_only_state_changes_are_recorded():
-    m = RecordingStore(BlockStore(2, 0, B))
+    m = RecordingStore(2, 0, B)
     assert m.allocate(0, list(range(5))).ok                      # 2 blocks
     assert not m.allocate(1, [1]).ok                             # pool full: changes nothing
     assert not m.append_slots(0, [1, 2, 3, 4]).ok                # needs a third block
@@ -224,7 +228,7 @@ def test_a_request_id_that_comes_back_is_sampled_with_its_own_params():
     from pagedserve.services.scheduler.stepper import WorkerView
     from pagedserve.services.worker.step_inputs import StepInputs
     from pagedserve.services.worker.worker_core import SampleResult
-    store = RecordingStore(BlockStore(64, 0, 16))
+    store = RecordingStore(64, 0, 16)
     core = Scheduler(SchedulerConfig(max_model_len=512, vocab_size=1000), store, clock=lambda: 0.0)
     view, worker = WorkerView(), StepInputs()
 

@@ -92,7 +92,7 @@ class Scheduler:
     """Plays the scheduler: mirror + op log to the kvstore, table deltas + steps to the worker."""
 
     def __init__(self, kvstore: str, worker: str):
-        self.mirror = RecordingStore(BlockStore(NUM_BLOCKS, 0, B))
+        self.mirror = RecordingStore(NUM_BLOCKS, 0, B)
         self.kv = KVStoreClient(kvstore, timeout_s=30)
         self.worker = RpcClient(worker, timeout_s=60)
         self.sent: dict[int, list[int]] = {}     # the tables as the worker knows them

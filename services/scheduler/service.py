@@ -453,10 +453,10 @@ class SchedulerService:
         from pagedserve.kvstore.allocator import make_policy
         from pagedserve.kvstore.store import BlockStore
         info = self.pool_info
-        mirror = RecordingStore(BlockStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
+        mirror = RecordingStore(info.num_device_blocks, info.num_host_blocks, info.block_size,
                                            enable_prefix_caching=info.enable_prefix_caching,
                                            policy=make_policy(info.allocation, info.max_model_len),
-                                           host_cache_blocks=info.host_cache_blocks))
+                                           host_cache_blocks=info.host_cache_blocks)
         if snapshot is not None:
             mirror.restore(snapshot.snapshot)   # ValueError: a kvstore that is not the one described
             log.info("mirror built from the kvstore's state: %d sequences of the scheduler before freed, "
