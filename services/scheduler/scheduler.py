@@ -190,13 +190,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
         budget = [self.config.max_num_batched_tokens]
-        # The common case: every running sequence's next slot fits, so the whole step's growth is
-        # one batched append and no request needs its own check (that only matters when someone
-        # must be preempted).
-        if self._append_all_at_once():
-            self._add_compute_all(out, budget)
-        else:
-            self._schedule_running(out, budget)
+        self._schedule_running(out, budget)
         num_running = len(self.running)
         if not out.preempted:
             self._schedule_swapped(out, budget)
@@ -349,32 +343,19 @@ class Scheduler:
         self.stats["cow_copies"] += len(result.copies)
         return result.ok
 
-    def _add_compute_all(self, out: ScheduledStep, budget: list[int]) -> None:
-        """_add_compute for every running request, with the steady decode case inline: one
-        sequence, one pending token, its draw already built (the case of nearly every request in
-        nearly every step; anything else takes the general path)."""
-        table = self.store.block_table_view
-        steps, samples, computed, step_requests, requests = (
-            out.steps, out.samples, out.computed, out.step_requests, out.requests)
+    def _schedule_running(self, out: ScheduledStep, budget: list[int]) -> None:
+        """Running requests, FCFS: first every sequence's slot for its last token, then each
+        request's tokens for this step. The slots come from one batched append when they all fit
+        (nearly every step: no request needs its own check, which only matters when someone must
+        be preempted); else one request at a time, preempting the newest while one cannot grow.
+        Growing all before computing any is the same plan as growing each before computing it:
+        growth takes no token budget and computing takes no block."""
+        if not self._append_all_at_once():
+            self._grow_one_by_one(out)
         for req in self.running:
-            seqs = req.seqs
-            if len(seqs) == 1 and budget[0] > 0:
-                seq = seqs[0]
-                out_ids = seq.output_token_ids
-                start = seq.num_computed
-                if seq.sample_requests is not None and out_ids \
-                        and len(seq.prompt_token_ids) + len(out_ids) - start == 1:
-                    budget[0] -= 1
-                    steps.append(SeqStep(seq.seq_id, [out_ids[-1]], start, table(seq.seq_id)))
-                    samples.append(seq.sample_requests)
-                    computed.append((seq, 1))
-                    step_requests.append(req)
-                    requests.append(req)
-                    continue
             self._add_compute(req, out, budget)
 
-    def _schedule_running(self, out: ScheduledStep, budget: list[int]) -> None:
-        """Running requests one by one, FCFS, preempting the newest while one cannot grow."""
+    def _grow_one_by_one(self, out: ScheduledStep) -> None:
         running = deque(self.running)
         kept: list[Request] = []
         while running:
@@ -385,7 +366,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule_request(req, out, budget)
+                self._grow(req)
                 kept.append(req)
         self.running = kept
 
@@ -401,7 +382,7 @@ class Scheduler:
         grow = [s.seq_id for s in req.seqs if s.num_pending and self._to_append(s)]
         return not grow or self.store.can_append(grow)
 
-    def _schedule_request(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
+    def _grow(self, req: Request) -> None:
         for seq in req.seqs:
             new = self._to_append(seq) if seq.num_pending else []
             if new:
@@ -409,7 +390,6 @@ class Scheduler:
                 if not result.ok:   # can_grow said yes: a mismatch is a bug, not a shortage
                     raise RuntimeError(f"append_slots failed after can_append: {result.reason}")
                 self.stats["cow_copies"] += len(result.copies)
-        self._add_compute(req, out, budget)
 
     def _add_compute(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
         """Give the request's sequences this step's tokens and say which want a sample.
@@ -418,12 +398,25 @@ class Scheduler:
         a multi-sequence request being re-prefilled holds back each sequence's last token until
         all of them can finish in the same step."""
         seqs = req.seqs
+        table = self.store.block_table_view
+        if len(seqs) == 1 and budget[0] > 0:
+            # The steady decode step of one sequence, its draw already built: nearly every request
+            # of nearly every step, so without the general path's lists (measured in the commit).
+            seq = seqs[0]
+            out_ids, start = seq.output_token_ids, seq.num_computed
+            if seq.sample_requests is not None and out_ids and len(seq.prompt_token_ids) + len(out_ids) - start == 1:
+                budget[0] -= 1
+                out.steps.append(SeqStep(seq.seq_id, [out_ids[-1]], start, table(seq.seq_id)))
+                out.samples.append(seq.sample_requests)
+                out.computed.append((seq, 1))
+                out.step_requests.append(req)
+                out.requests.append(req)
+                return
         pending = [s.num_tokens - s.num_computed for s in seqs]
         total = sum(pending)
         if total == 0:
             return
         together = total <= budget[0]
-        table = self.store.block_table_view
         for seq, n in zip(seqs, pending):
             if n == 0:
                 continue
@@ -486,7 +479,8 @@ class Scheduler:
             self.stats["swap_ins"] += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._schedule_request(req, out, budget)
+            self._grow(req)
+            self._add_compute(req, out, budget)
 
     def _room_after_swap_in(self, req: Request) -> bool:
         """Room for the blocks coming back and for the next token of every sequence whose last
