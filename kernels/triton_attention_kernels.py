@@ -88,6 +88,29 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_start
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_span(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_lo, full_end, kv_end,
+                 q_pos, kv_head, dims, scale_log2, cache_s0, cache_s1, cache_s2,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """The K/V tiles of one sequence from kv_lo to kv_end, BLOCK_N keys each, through
+    _attend_tile: those below full_end unmasked (the caller guarantees they are whole tiles below
+    kv_end that every row sees), the rest masked. The loop both kernels walk; returns the new
+    (m_i, l_i, acc)."""
+    cols = tl.arange(0, BLOCK_N)  # [N]
+    for kv_start in range(kv_lo, full_end, BLOCK_N):  # whole tiles: no mask
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
+                                     kv_start, cols, kv_end, q_pos, kv_head, dims, scale_log2,
+                                     cache_s0, cache_s1, cache_s2, BLOCK_SIZE, False, CAUSAL,
+                                     DOT_PRECISION)
+    for kv_start in range(full_end, kv_end, BLOCK_N):  # the diagonal, or the last partial tile
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
+                                     kv_start, cols, kv_end, q_pos, kv_head, dims, scale_log2,
+                                     cache_s0, cache_s1, cache_s2, BLOCK_SIZE, True, CAUSAL,
+                                     DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=_STEP_VARYING[:2])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
@@ -136,18 +159,10 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(context_len + last_token + 1, seq_len)
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # <= first_pos + 1 <= seq_len
     table_row = block_tables_ptr + seq.to(tl.int64) * table_s0
-    cols = tl.arange(0, BLOCK_N)  # [N]
-    for kv_start in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
-                                     kv_start, cols, kv_end, q_pos, kv_head, dims, scale_log2,
-                                     cache_s0, cache_s1, cache_s2, BLOCK_SIZE, False, True,
-                                     DOT_PRECISION)
     # If full_end == 0 the first masked tile holds key 0, visible to every row: m_i is finite.
-    for kv_start in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
-                                     kv_start, cols, kv_end, q_pos, kv_head, dims, scale_log2,
-                                     cache_s0, cache_s1, cache_s2, BLOCK_SIZE, True, True,
-                                     DOT_PRECISION)
+    m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, 0,
+                                 full_end, kv_end, q_pos, kv_head, dims, scale_log2, cache_s0,
+                                 cache_s1, cache_s2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * out_s0 + head[:, None] * out_s1 + dims[None, :],
@@ -187,18 +202,11 @@ def _paged_decode_kernel(
     kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, seq_len)  # <= kv_lo: nothing to do
     full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
     table_row = block_tables_ptr + seq * table_s0
-    cols = tl.arange(0, BLOCK_N)  # [N]
     q_pos = g  # unused: decode sees every key below seq_len (CAUSAL=False)
-    for kv_start in range(kv_lo, full_end, BLOCK_N):  # whole tiles: no mask
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
-                                     kv_start, cols, kv_hi, q_pos, kv_head, dims, scale_log2,
-                                     cache_s0, cache_s1, cache_s2, BLOCK_SIZE, False, False,
-                                     DOT_PRECISION)
-    for kv_start in range(full_end, kv_hi, BLOCK_N):  # the sequence's last, partial tile
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
-                                     kv_start, cols, kv_hi, q_pos, kv_head, dims, scale_log2,
-                                     cache_s0, cache_s1, cache_s2, BLOCK_SIZE, True, False,
-                                     DOT_PRECISION)
+    # Whole tiles unmasked, then the sequence's last, partial tile (if this share holds it).
+    m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_lo,
+                                 full_end, kv_hi, q_pos, kv_head, dims, scale_log2, cache_s0,
+                                 cache_s1, cache_s2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION)
 
     if num_splits == 1:
         # A row with seq_len == 0 (padding of a CUDA-graph batch) saw no key: l == 0, acc == 0,
