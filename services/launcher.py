@@ -23,17 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.services import config_fields as cf
-from pagedserve.services.config_fields import allocation_check, at_least, positive
+from pagedserve.services.config_fields import at_least, positive
+from pagedserve.services.engine_config import EngineOptions
 from pagedserve.services.flags import ConfigError, ProcessConfig, opt
 from pagedserve.services.router.options import RouterOptions, passed_down
 from pagedserve.services.supervisor import Child, Supervisor
 from pagedserve.services.tiny_model import resolve_model
 
-@dataclass
-class Config(RouterOptions, ProcessConfig):
+
+@dataclass(kw_only=True)
+class Config(RouterOptions, EngineOptions, ProcessConfig):
+    """`pagedserve serve`/`up`: the routers' options (RouterOptions), the engine's (EngineOptions),
+    and the stack's own below."""
     model: str = opt("tiny", "a local model folder, or 'tiny' (built on first use)")
     device: str = opt("cpu", "where the model runs", choices=("cpu", "cuda"))
-    dtype: str = cf.dtype()
     host: str = opt("127.0.0.1", "address the routers listen on")
     port: int = opt(8000, "the first router's port; the others take the next ones",
                     check=lambda v: 0 < v < 65536 or "must be in [1, 65535]")
@@ -43,27 +46,10 @@ class Config(RouterOptions, ProcessConfig):
     # name per start made a new series each time) and unique among stacks that share a Redis.
     replica_id: str | None = opt(None, "this replica's name: the engine label of its metrics, its key in Redis "
                                        "(default: local; with --redis-url HOST:PORT of the first router)")
-    max_model_len: int | None = cf.max_model_len()
-    num_device_blocks: int | None = cf.num_device_blocks()
-    kv_cache_memory_bytes: int | None = cf.kv_cache_memory_bytes()
-    kv_cache_memory_gib: float | None = cf.kv_cache_memory_gib()
-    gpu_memory_utilization: float = cf.gpu_memory_utilization()
-    block_size: int = cf.block_size()
-    swap_space_gib: float = cf.swap_space()
-    kv_offloading_size: float | None = cf.kv_offloading_size()
-    preemption_mode: str = cf.preemption_mode()
     tensor_parallel: int = opt(1, "tensor-parallel ranks (one worker process each)", flag="--tensor-parallel-size",
                                aliases=["--tensor-parallel", "-tp"], check=at_least(1))
-    max_num_seqs: int = cf.max_num_seqs()
-    max_num_batched_tokens: int = cf.max_num_batched_tokens()
     worker_threads: int = opt(0, "torch threads per worker; 0 = auto (on CPU every core but one, or every core from 64 MiB of weights on; split between the ranks)",
                               check=at_least(0))
-    enable_prefix_caching: bool = opt(True, "find full KV blocks again by the hash of their tokens",
-                                      aliases=["--prefix-caching"])
-    allocation: str = cf.allocation()
-    batching: str = cf.batching()
-    enforce_eager: bool = cf.enforce_eager()
-    async_scheduling: bool = cf.async_scheduling()
     # Supervision and shutdown (services/supervisor.py).
     shutdown_timeout_s: float = cf.shutdown_timeout(10.0)
     hang_timeout_s: float = cf.hang_timeout("seconds of heartbeat silence after which a process counts as stuck "
@@ -80,8 +66,7 @@ class Config(RouterOptions, ProcessConfig):
             return "--routers > 1 needs --redis-url: routers share request state through Redis"
         if self.port + self.routers > 65536:
             return f"--port {self.port} leaves no room for {self.routers} routers"
-        return (cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
-                or allocation_check(self.allocation, self.batching) or cf.kv_pool_check(self))
+        return super().cross_check()   # EngineOptions'
 
     def validate(self) -> "Config":
         super().validate()
