@@ -14,7 +14,7 @@ from pagedserve.services.kvstore import sizing
 from pagedserve.services.kvstore.client import KVStoreClient, KVStoreError
 from pagedserve.services.kvstore.sizing import PoolSizing, device_blocks_for
 from pagedserve.services import launcher, protocol
-from pagedserve.services.worker import service as wservice
+from pagedserve.services.worker import startup as wstartup
 from pagedserve.services.worker.model_loader import load_model
 from pagedserve.services.worker.profile import profile_batch, warm_up_and_profile
 
@@ -64,8 +64,8 @@ def test_the_kvstore_answers_not_yet_until_every_rank_reported(monkeypatch):
     thread = threading.Thread(target=lambda: result.append(kvservice._size_device_pools(sock, config, stop)))
     thread.start()
     try:
-        worker_cfg = wservice.Config(model="m", kvstore_endpoint=endpoint, tp_size=2, block_size=16)
-        assert wservice.fetch_pool_info(worker_cfg) is None     # profile first, then report
+        worker_cfg = wstartup.Config(model="m", kvstore_endpoint=endpoint, tp_size=2, block_size=16)
+        assert wstartup.fetch_pool_info(worker_cfg) is None     # profile first, then report
         with KVStoreClient(endpoint, timeout_s=5) as client:
             assert client.ping().ready is False
             client.report_memory(0, 2 * GIB)
@@ -170,14 +170,14 @@ def test_worker_profiles_then_reports_then_maps_the_pool(tiny_llama, monkeypatch
     info = protocol.PoolInfo(block_size=16, block_bytes=block_bytes, num_device_blocks=8, num_host_blocks=0,
                              device_pool_names=[pool.name], host_pool_names=[])
     order = []
-    monkeypatch.setattr(wservice, "warm_up_and_profile", lambda *a, **k: order.append("profile") or 123)
-    monkeypatch.setattr(wservice, "report_and_wait",
+    monkeypatch.setattr(wstartup, "warm_up_and_profile", lambda *a, **k: order.append("profile") or 123)
+    monkeypatch.setattr(wstartup, "report_and_wait",
                         lambda config, reserve: order.append(("report", reserve)) or info)
-    real_attach = wservice.attach_device_pool
-    monkeypatch.setattr(wservice, "attach_device_pool",
+    real_attach = wstartup.attach_device_pool
+    monkeypatch.setattr(wstartup, "attach_device_pool",
                         lambda info, rank: order.append("attach") or real_attach(info, rank))
-    config = wservice.Config(model=tiny_llama).validate()
-    service = wservice._build_service(config, None, SINGLE)
+    config = wstartup.Config(model=tiny_llama).validate()
+    service = wstartup.build_service(config, None, SINGLE)
     try:
         assert order == ["profile", ("report", 123), "attach"]
     finally:

@@ -295,7 +295,7 @@ def _reference_keep(logits_row, top_k, top_p):
 def test_top_k_top_p_masks_match_a_per_row_full_sort():
     # V > the sampler's probe width (1024), so a flat top-p row must fall back to a full sort
     # while a peaked one finds its nucleus among the best tokens.
-    from pagedserve.services.worker.sampler import _apply_top_k_top_p
+    from pagedserve.services.worker.logits_processors import apply_top_k_top_p
 
     vocab = 3000
     cases = [(0.5, 0, 0.9), (4.0, 0, 0.9), (4.0, 50, 0.8), (1.0, 2000, 0.95), (2.0, 10, 1.0),
@@ -304,7 +304,7 @@ def test_top_k_top_p_masks_match_a_per_row_full_sort():
                         for i, (scale, _, _) in enumerate(cases)])  # [8, V]
     rows = [row(top_k=k, top_p=p) for _, k, p in cases]
     processed = logits.clone()
-    _apply_top_k_top_p(processed, rows)
+    apply_top_k_top_p(processed, rows)
     for i, (_, k, p) in enumerate(cases):
         expected = _reference_keep(logits[i], k, p)
         assert torch.equal(torch.isfinite(processed[i]), expected), f"case {cases[i]}"
