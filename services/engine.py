@@ -95,11 +95,9 @@ class Engine:
         tokenizer = self.tokenizer
         self.guides = Guides(lambda: tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.worker = WorkerCore(self.runner, spec.eos_token_ids, seed=config.seed, guides=self.guides)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
-            eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size, batching=config.batching),
-            self.store, clock=time.monotonic)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, max_model_len=self.max_model_len,
+                                                      eos_token_ids=spec.eos_token_ids, vocab_size=spec.vocab_size),
+                                   self.store, clock=time.monotonic)
         self._request_ids = itertools.count()
         self._ahead = None   # async scheduling: (the step planned while the last one ran, its launch)
 

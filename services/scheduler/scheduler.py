@@ -31,9 +31,10 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
+from pagedserve.services import config_fields as cf
 from pagedserve.services.sampling_params import SamplingParams
 from pagedserve.services.scheduler.beam_search import BeamSearch
 from pagedserve.services.scheduler.kv_usage import KVUsageMeter
@@ -44,15 +45,25 @@ from pagedserve.services.steps import SampleRequest, SampleResult, SeqStep
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    preemption_mode: str = "recompute"          # swap | recompute | auto
+    # The defaults, choices and checks of the settings a user gives are their flags' (config_fields).
+    max_num_seqs: int = cf.max_num_seqs()
+    max_num_batched_tokens: int = cf.max_num_batched_tokens()
+    max_model_len: int = 2048                   # the served context (the model's, or --max-model-len)
+    preemption_mode: str = cf.preemption_mode()
     auto_swap_min_tokens: int = 256             # auto: recompute shorter single sequences, swap longer
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0                         # > 0: prompt token ids must be below it
-    batching: str = "iteration"                 # iteration | request (a batch runs until all finish)
+    batching: str = cf.batching()
     kv_usage_interval_s: float = 0.05           # how often the KV usage split is sampled (clock s)
+
+    @classmethod
+    def of(cls, settings, **model) -> "SchedulerConfig":
+        """The scheduler's part of a process's config (the scheduler service's or the offline
+        engine's: each field of theirs with a name of ours), and what the model decides (model=
+        max_model_len, eos_token_ids, vocab_size)."""
+        mine = {f.name for f in fields(cls)}
+        return cls(**{name: getattr(settings, name) for name in mine - model.keys() if hasattr(settings, name)},
+                   **model)
 
 
 @dataclass
