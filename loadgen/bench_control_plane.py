@@ -5,7 +5,7 @@ Scheduler core plans on a RecordingStore mirror, as the scheduler process does. 
 answers each scheduled sample with a token at once. Per decode step it times:
   exchange   what the step spends on the kvstore: encoding and sending ApplyOps, then waiting for
              and checking the reply; the replay itself overlaps building the worker's step, as in
-             the scheduler process (services/scheduler/service.py)
+             the scheduler process (services/scheduler/step_pipeline.py)
   step       the whole control plane of a step, in the scheduler process's order: schedule, send
              the op log, build and encode the ExecuteStep (services.scheduler.stepper.WorkerView),
              check the kvstore's reply, decode the worker's StepResult, update, and build and encode

@@ -122,25 +122,23 @@ def test_redis_replica_lease_expires_without_renewal(redis_state):
 def test_the_scheduler_keeps_its_lease_through_a_pause_and_a_state_outage():
     """A lease that lapsed (the scheduler was paused past its TTL) is registered again; a state store
     that is down is logged, and the scheduler goes on (it used to die on Redis's ConnectionError)."""
-    from types import SimpleNamespace
-    from pagedserve.services.scheduler.service import SchedulerService
+    from pagedserve.services.scheduler.lease import ReplicaLease
     clock = FakeClock()
     state = MemoryState(clock=clock)
-    svc = SimpleNamespace(state=state, model_name="m", owner={},
-                          config=SimpleNamespace(replica_id="r0", advertise=None, endpoint="ipc:///x"))
-    svc._register_replica = lambda st, info: SchedulerService._register_replica(svc, st, info)
-    state.register_replica("r0", "ipc:///x", {}, ttl_s=5.0)
+    lease = ReplicaLease(state, "r0", "ipc:///x", "m")
     clock.now += 7                                   # paused past the lease
     assert state.live_replicas() == []
-    SchedulerService._renew_lease(svc)
+    lease.renew(load=0)
     assert [r.id for r in state.live_replicas()] == ["r0"]
 
     class Down:
+        def register_replica(self, *a, **k):
+            pass
+
         def renew_replica(self, *a, **k):
             import redis
             raise redis.exceptions.ConnectionError("Connection refused")
-    svc.state = Down()
-    SchedulerService._renew_lease(svc)               # no exception
+    ReplicaLease(Down(), "r0", "ipc:///x", "m").renew(load=0)   # no exception
 
 
 def test_rate_limit_is_an_exact_sliding_window(state):
