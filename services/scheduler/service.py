@@ -96,9 +96,8 @@ class SchedulerService:
         info, snapshot = self.peers.connect()
         self.kvsync = MirrorSync(self.kv, info, snapshot, config.peer_timeout_s)
         max_len = context_length(config.max_model_len, spec)
-        self.core = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                                              config.preemption_mode, eos_token_ids=spec.eos_token_ids,
-                                              vocab_size=spec.vocab_size, batching=config.batching),
+        self.core = Scheduler(SchedulerConfig.of(config, max_model_len=max_len, eos_token_ids=spec.eos_token_ids,
+                                                 vocab_size=spec.vocab_size),
                               self.kvsync.mirror, clock=time.monotonic)
         self.model_name = config.model
         self.max_model_len = max_len
