@@ -250,6 +250,17 @@ def redact_url(url: str | None) -> str | None:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
+def redis_start_failure(process: str, url: str | None, error: Exception) -> bool:
+    """True, with the cause on stderr, when a process's start-up error is redis-py's (it raises
+    ConnectionError, TimeoutError, AuthenticationError...: no common base): the operator's to fix,
+    reported in one line. False for anything else, which the caller raises on."""
+    if not type(error).__module__.startswith("redis"):
+        return False
+    import sys
+    print(f"{process}: cannot use Redis at {redact_url(url)}: {error}", file=sys.stderr)
+    return True
+
+
 class RedisState(StateStore):
     """The shared store. Every key sits under `prefix`, so tests (and stacks) can share one server."""
 

@@ -24,7 +24,7 @@ from pagedserve.services.config_fields import positive
 from pagedserve.services.flags import ProcessConfig, opt
 from pagedserve.services.curve import KeysError
 from pagedserve.services.router.options import RouterOptions
-from pagedserve.services.state import redact_url
+from pagedserve.services.state import redis_start_failure
 
 log = logging.getLogger("pagedserve.router")
 
@@ -139,9 +139,8 @@ def run(config: Config) -> int:
     except KeysError as e:
         print(f"router: {e}", file=sys.stderr)
         return 2
-    except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
-        if type(e).__module__.startswith("redis"):
-            print(f"router: cannot use Redis at {redact_url(config.redis_url)}: {e}", file=sys.stderr)
+    except Exception as e:
+        if redis_start_failure("router", config.redis_url, e):
             return 1
         raise
     server = server_cls(uvicorn.Config(app, host=config.host, port=config.port,

@@ -30,7 +30,7 @@ from pagedserve.services.curve import InsecureEndpoint, KeysError, SocketGuard
 from pagedserve.services.model_dir import context_length, read_model_dir
 from pagedserve.services.process import on_stop_signals, service_main
 from pagedserve.services.rpc import PeerTimeout
-from pagedserve.services.state import redact_url
+from pagedserve.services.state import redis_start_failure
 from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
 from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from pagedserve.services.scheduler.exporter import ExporterElection
@@ -268,9 +268,8 @@ def run(config: Config) -> int:
     except zmq.ZMQError as e:
         print(f"scheduler: cannot bind {config.endpoint}: {e}", file=sys.stderr)
         return 1
-    except Exception as e:   # redis-py raises ConnectionError, TimeoutError, AuthenticationError...
-        if type(e).__module__.startswith("redis"):
-            print(f"scheduler: cannot use Redis at {redact_url(config.redis_url)}: {e}", file=sys.stderr)
+    except Exception as e:
+        if redis_start_failure("scheduler", config.redis_url, e):
             return 1
         raise
     # Everything built so far lives as long as the process: keep the collector from rescanning it
