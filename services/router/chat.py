@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from pagedserve.services.router.choices import ChoiceEvent
+from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.generation import Generation
 from pagedserve.services.guided import spec as specs
@@ -15,11 +15,8 @@ from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
 from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from pagedserve.services.sampling_params import MAX_LOGPROBS
 
-if TYPE_CHECKING:
-    from pagedserve.services.router.app import RouterContext
 
-
-async def create_chat_completion(ctx: "RouterContext", request):
+async def create_chat_completion(ctx: RouterContext, request):
     req, size = await ctx.read_json(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     plan = tool_plan(req)
@@ -88,7 +85,7 @@ def echo_of(req: ChatCompletionRequest) -> str:
     return _text(last.content) if last.role == role else ""
 
 
-def render_prompt(ctx: "RouterContext", req: ChatTemplateFields) -> list[int]:
+def render_prompt(ctx: RouterContext, req: ChatTemplateFields) -> list[int]:
     """The messages through the model's chat template, tokenized (chat completions, /tokenize)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",

@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from pagedserve.services.router.choices import ChoiceEvent, ChoiceState
 from pagedserve.services.router.constraints import check as check_constraint
 from pagedserve.services.router.constraints import constraint_of
+from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.generation import Generation
 from pagedserve.services.router.openai_schema import CompletionRequest, sampling_params
 from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 
-if TYPE_CHECKING:
-    from pagedserve.services.router.app import RouterContext
 
-
-async def create_completion(ctx: "RouterContext", request):
+async def create_completion(ctx: RouterContext, request):
     req, size = await ctx.read_json(request, CompletionRequest, prompts="prompt")
     ctx.check_model(req.model)
     if req.suffix is not None:
@@ -61,7 +58,7 @@ def prompt_items(prompt) -> list:
     return list(prompt)
 
 
-def tokenize_prompts(ctx: "RouterContext", items: list, add_special_tokens: bool = True) -> list[list[int]]:
+def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool = True) -> list[list[int]]:
     """Each prompt (text or token ids) -> its token ids, checked."""
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
