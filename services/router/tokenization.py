@@ -8,7 +8,7 @@ the tokenizer's defaults). Outside /v1, so like vLLM's they need no API key (ser
 """
 from __future__ import annotations
 
-from pagedserve.services.router.chat import render_prompt
+from pagedserve.services.router.chat_template import render_prompt
 from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.openai_schema import DetokenizeRequest, TokenizeRequest
