@@ -21,8 +21,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.services.router.chat import create_chat_completion
-from pagedserve.services.router.completions import create_completion
+from pagedserve.services.router.chat import ChatEndpoint
+from pagedserve.services.router.completions import CompletionEndpoint
 from pagedserve.services.router.context import RouterContext, server_version
 from pagedserve.services.router.errors import APIError, error_body
 from pagedserve.services.router.guard import Guard
@@ -30,6 +30,7 @@ from pagedserve.services.router.metrics import CONTENT_TYPE
 from pagedserve.services.router.model_info import ModelInfo
 from pagedserve.services.router.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                      TokenizeRequest, openapi_body, validation_error)
+from pagedserve.services.router.pipeline import generate
 from pagedserve.services.router.tokenization import detokenize, tokenize
 from pagedserve.services.state import StateStore
 
@@ -90,26 +91,14 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500,
                             headers={"Connection": "close"})
 
-    # ---- generation --------------------------------------------------------------------------
-    async def admitted(handler, request: Request):
-        ticket = ctx.admit(request)
-        request.state.ticket = ticket
-        try:
-            return await handler(ctx, request)
-        except APIError as e:
-            if 400 <= e.status < 500:
-                ctx.refund(request)
-            raise
-        finally:
-            ticket.release_unless_handed_over()
-
+    # ---- generation (pipeline.py: the steps both share; each endpoint's own part is its Endpoint) --
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
-        return await admitted(create_completion, request)
+        return await generate(ctx, request, CompletionEndpoint)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        return await admitted(create_chat_completion, request)
+        return await generate(ctx, request, ChatEndpoint)
 
     # vLLM's tokenizer routes: outside /v1, and (as vLLM's) not behind the API key.
     @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))

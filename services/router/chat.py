@@ -1,58 +1,62 @@
-"""POST /v1/chat/completions: the messages through the model's chat template (chat_template.py),
-and the chat.completion JSON shapes."""
+"""POST /v1/chat/completions: its prompt (the messages through chat_template.py), its checks, tool
+calls and logprobs fields, and the chat.completion JSON shapes; the steps it shares with
+completions are in pipeline.py."""
 from __future__ import annotations
 
 import time
 
+from pagedserve.services.guided import spec as specs
 from pagedserve.services.router.chat_template import message_text, render_prompt
 from pagedserve.services.router.choices import ChoiceEvent
-from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.generation import Generation
-from pagedserve.services.guided import spec as specs
-from pagedserve.services.router.constraints import constraint_of
-from pagedserve.services.router.constraints import check as check_constraint
-from pagedserve.services.router.openai_schema import ChatCompletionRequest, sampling_params
+from pagedserve.services.router.openai_schema import ChatCompletionRequest
+from pagedserve.services.router.pipeline import Endpoint
+from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, usage
 from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
-from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from pagedserve.services.sampling_params import MAX_LOGPROBS
 
 
-async def create_chat_completion(ctx: RouterContext, request):
-    req, size = await ctx.read_json(request, ChatCompletionRequest)
-    ctx.check_model(req.model)
-    plan = tool_plan(req)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
-    prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
-    if not prompt_ids:
-        raise bad_request("the rendered prompt is empty", "messages")
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    # No max_tokens in chat means "the rest of the context", as in vLLM.
-    max_tokens = ctx.fit_max_tokens([len(prompt_ids)], asked, "messages")
-    constraint, constraint_param = constraint_of(req, ctx.structured_backend)
-    if plan is not None:
+class ChatEndpoint(Endpoint):
+    """What a chat completion does its own way within the shared steps (services/router/pipeline.py)."""
+    body = ChatCompletionRequest
+    kind, id_prefix, prompt_param = "chat", "chatcmpl", "messages"
+    plan: ToolPlan | None = None     # the output is a tool call (tool_choice required / named)
+
+    def check(self) -> None:
+        req = self.req
+        self.plan = tool_plan(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
+
+    def token_ids(self) -> list[list[int]]:
+        prompt_ids = render_prompt(self.ctx, self.req)
+        if not prompt_ids:
+            raise bad_request("the rendered prompt is empty", "messages")
+        return [prompt_ids]
+
+    def asked_max_tokens(self) -> int | None:
+        # No max_tokens in chat means "the rest of the context", as in vLLM.
+        req = self.req
+        return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+    def constraint(self) -> tuple[dict | None, str | None]:
+        constraint, constraint_param = super().constraint()
+        if self.plan is None:
+            return constraint, constraint_param
         if constraint is not None:
             raise bad_request(f"a tool call is a structured output already: drop {constraint_param}", "tool_choice")
-        constraint, constraint_param = specs.make("json", plan.schema, ctx.structured_backend), "tools"
-    params, n = sampling_params(req, max_tokens=max_tokens,
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings,
-                                structured_outputs=constraint)
-    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request))
-    request_id = ctx.new_request_id(request, "chatcmpl")
-    gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
-                     stream=bool(req.stream), true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
-                     record_id=ctx.record_id(request, request_id))
-    await gen.start()
-    fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
-                        (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
-                        req.prompt_logprobs is not None, req.return_token_ids, plan,
-                        ctx.token_namer(req.return_tokens_as_token_ids))
-    return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
+        return specs.make("json", self.plan.schema, self.ctx.structured_backend), "tools"
+
+    def logprobs(self) -> int | None:
+        return (self.req.top_logprobs or 0) if self.req.logprobs else None
+
+    def formatter(self, gen: Generation, request_id: str, n: int, model: str, name) -> ChatFormatter:
+        req = self.req
+        return ChatFormatter(self.ctx, gen, request_id, model, n, self.logprobs(), echo_of(req),
+                             req.prompt_logprobs is not None, req.return_token_ids, self.plan, name)
 
 
 def echo_of(req: ChatCompletionRequest) -> str:
