@@ -1,81 +1,62 @@
-"""POST /v1/chat/completions: the model's chat template, and the chat.completion JSON shapes."""
+"""POST /v1/chat/completions: its prompt (the messages through chat_template.py), its checks, tool
+calls and logprobs fields, and the chat.completion JSON shapes; the steps it shares with
+completions are in pipeline.py."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from pagedserve.services.guided import spec as specs
+from pagedserve.services.router.chat_template import message_text, render_prompt
 from pagedserve.services.router.choices import ChoiceEvent
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.generation import Generation
-from pagedserve.services.guided import spec as specs
-from pagedserve.services.router.constraints import constraint_of
-from pagedserve.services.router.constraints import check as check_constraint
-from pagedserve.services.router.openai_schema import ChatCompletionRequest, ChatTemplateFields, sampling_params
+from pagedserve.services.router.openai_schema import ChatCompletionRequest
+from pagedserve.services.router.pipeline import Endpoint
+from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, usage
 from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
-from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
 from pagedserve.services.sampling_params import MAX_LOGPROBS
 
-if TYPE_CHECKING:
-    from pagedserve.services.router.app import RouterContext
 
+class ChatEndpoint(Endpoint):
+    """What a chat completion does its own way within the shared steps (services/router/pipeline.py)."""
+    body = ChatCompletionRequest
+    kind, id_prefix, prompt_param = "chat", "chatcmpl", "messages"
+    plan: ToolPlan | None = None     # the output is a tool call (tool_choice required / named)
 
-async def create_chat_completion(ctx: "RouterContext", request):
-    req, size = await ctx.read_json(request, ChatCompletionRequest)
-    ctx.check_model(req.model)
-    plan = tool_plan(req)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
-    prompt_ids = await ctx.off_loop(render_prompt, ctx, req, size=size)
-    if not prompt_ids:
-        raise bad_request("the rendered prompt is empty", "messages")
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    # No max_tokens in chat means "the rest of the context", as in vLLM.
-    max_tokens = ctx.fit_max_tokens([len(prompt_ids)], asked, "messages")
-    constraint, constraint_param = constraint_of(req, ctx.structured_backend)
-    if plan is not None:
+    def check(self) -> None:
+        req = self.req
+        self.plan = tool_plan(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
+
+    def token_ids(self) -> list[list[int]]:
+        prompt_ids = render_prompt(self.ctx, self.req)
+        if not prompt_ids:
+            raise bad_request("the rendered prompt is empty", "messages")
+        return [prompt_ids]
+
+    def asked_max_tokens(self) -> int | None:
+        # No max_tokens in chat means "the rest of the context", as in vLLM.
+        req = self.req
+        return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+    def constraint(self) -> tuple[dict | None, str | None]:
+        constraint, constraint_param = super().constraint()
+        if self.plan is None:
+            return constraint, constraint_param
         if constraint is not None:
             raise bad_request(f"a tool call is a structured output already: drop {constraint_param}", "tool_choice")
-        constraint, constraint_param = specs.make("json", plan.schema, ctx.structured_backend), "tools"
-    params, n = sampling_params(req, max_tokens=max_tokens,
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                vocab_size=ctx.info.vocab_size, max_stop_strings=ctx.config.max_stop_strings,
-                                structured_outputs=constraint)
-    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request))
-    request_id = ctx.new_request_id(request, "chatcmpl")
-    gen = Generation(ctx, request_id, [prompt_ids], params, req.include_stop_str_in_output, "chat",
-                     stream=bool(req.stream), true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
-                     record_id=ctx.record_id(request, request_id))
-    await gen.start()
-    fmt = ChatFormatter(ctx, gen, request_id, req.model or ctx.model_name, n,
-                        (req.top_logprobs or 0) if req.logprobs else None, echo_of(req),
-                        req.prompt_logprobs is not None, req.return_token_ids, plan,
-                        ctx.token_namer(req.return_tokens_as_token_ids))
-    return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
+        return specs.make("json", self.plan.schema, self.ctx.structured_backend), "tools"
 
+    def logprobs(self) -> int | None:
+        return (self.req.top_logprobs or 0) if self.req.logprobs else None
 
-# OpenAI's roles; "assistant" and "tool" content may be empty (a tool call without text).
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# "developer" is OpenAI's newer name for "system"; chat templates know only the old one. As vLLM
-# renders them, developer messages join the leading system message (one is made when there is
-# none), wherever they stand in the conversation, separated by blank lines.
-DEVELOPER_JOIN = "\n\n"
-
-
-# apply_chat_template's arguments that change the call, not what the template sees (vLLM refuses
-# chat_template and tokenize; the others would change the type of what comes back). Template
-# inputs such as tools and documents pass, as in vLLM.
-TEMPLATE_CALL_ARGS = frozenset({"conversation", "chat_template", "tokenize", "padding", "truncation",
-                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                "tokenizer_kwargs"})
-
-
-def _text(content) -> str:
-    if isinstance(content, list):
-        return "\n".join(p.text or "" for p in content)     # as vLLM joins text parts
-    return content or ""
+    def formatter(self, gen: Generation, request_id: str, n: int, model: str, name) -> ChatFormatter:
+        req = self.req
+        return ChatFormatter(self.ctx, gen, request_id, model, n, self.logprobs(), echo_of(req),
+                             req.prompt_logprobs is not None, req.return_token_ids, self.plan, name)
 
 
 def echo_of(req: ChatCompletionRequest) -> str:
@@ -85,50 +66,7 @@ def echo_of(req: ChatCompletionRequest) -> str:
         return ""
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last.role
-    return _text(last.content) if last.role == role else ""
-
-
-def render_prompt(ctx: "RouterContext", req: ChatTemplateFields) -> list[int]:
-    """The messages through the model's chat template, tokenized (chat completions, /tokenize)."""
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
-                          "continue_final_message")
-    messages = []
-    for i, m in enumerate(req.messages):
-        if m.role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
-                              f"messages[{i}].role")
-        if m.content is None and m.role in ("system", "user", "developer"):
-            raise bad_request(f"messages[{i}] ({m.role}) needs content", f"messages[{i}].content")
-        if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
-            raise bad_request("only text content parts are supported", f"messages[{i}].content")
-        messages.append({"role": m.role, "content": _text(m.content)})
-    messages = _developer_as_system(messages)
-    tok = ctx.info.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    # As vLLM merges them: the request's template variables, then its two flags over them.
-    kwargs = {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
-              "continue_final_message": req.continue_final_message}
-    if set(kwargs) & TEMPLATE_CALL_ARGS:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(set(kwargs) & TEMPLATE_CALL_ARGS))}",
-                          "chat_template_kwargs")
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as e:  # jinja raises its own types for templates that reject the messages
-        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-    # As vLLM: no special tokens beyond the template's own unless the client asks (templates write the BOS).
-    return ctx.tokenize(text, add_special_tokens=bool(req.add_special_tokens), param="messages")
-
-
-def _developer_as_system(messages: list[dict]) -> list[dict]:
-    developer = [m["content"] for m in messages if m["role"] == "developer"]
-    if not developer:
-        return messages
-    rest = [m for m in messages if m["role"] != "developer"]
-    if rest and rest[0]["role"] == "system":
-        return [{"role": "system", "content": DEVELOPER_JOIN.join([rest[0]["content"], *developer])}, *rest[1:]]
-    return [{"role": "system", "content": DEVELOPER_JOIN.join(developer)}, *rest]
+    return message_text(last.content) if last.role == role else ""
 
 
 class ChatFormatter:

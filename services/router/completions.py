@@ -1,55 +1,63 @@
-"""POST /v1/completions: prompt checks, SamplingParams, and the text_completion JSON shapes."""
+"""POST /v1/completions: its prompts (texts or token ids, a batch of them), its checks and logprobs
+fields, and the text_completion JSON shapes; the steps it shares with chat are in pipeline.py."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from pagedserve.services.router.choices import ChoiceEvent, ChoiceState
-from pagedserve.services.router.constraints import check as check_constraint
-from pagedserve.services.router.constraints import constraint_of
+from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.generation import Generation
-from pagedserve.services.router.openai_schema import CompletionRequest, sampling_params
-from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, respond, usage
-
-if TYPE_CHECKING:
-    from pagedserve.services.router.app import RouterContext
+from pagedserve.services.router.openai_schema import CompletionRequest
+from pagedserve.services.router.pipeline import Endpoint
+from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, usage
 
 
-async def create_completion(ctx: "RouterContext", request):
-    req, size = await ctx.read_json(request, CompletionRequest, prompts="prompt")
-    ctx.check_model(req.model)
-    if req.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    items = prompt_items(req.prompt)
-    prompts = await ctx.off_loop(tokenize_prompts, ctx, items, req.add_special_tokens, size=size)
-    # Echo with max_tokens 0 scores the prompt (what evaluation harnesses send): the engine makes
-    # one token, which nobody sees.
-    score_only = req.echo and req.max_tokens == 0
-    max_tokens = ctx.fit_max_tokens([len(p) for p in prompts], 1 if score_only else req.max_tokens, "prompt")
-    if req.stream and req.echo and req.logprobs is not None and len(prompts) > 1:
-        # Each prompt's echo chunk would wait for that prompt's first update; one at a time.
-        raise bad_request("echo with logprobs streams one prompt at a time", "echo")
-    # Echo with logprobs shows the prompt's logprobs too, in the logprobs and (as vLLM) as
-    # prompt_logprobs: vLLM sets prompt_logprobs = logprobs.
-    constraint, constraint_param = constraint_of(req, ctx.structured_backend)
-    params, n = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=ctx.info.vocab_size,
-                                max_stop_strings=ctx.config.max_stop_strings,
-                                prompt_logprobs=req.logprobs if req.echo and req.prompt_logprobs is None else None,
-                                structured_outputs=constraint)
-    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request))
-    request_id = ctx.new_request_id(request, "cmpl")
-    gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, "completion",
-                     stream=bool(req.stream), score_only=score_only, true_output_len=req.true_output_len,
-                     ticket=request.state.ticket, stream_interval=ctx.stream_interval(req.stream_interval),
-                     record_id=ctx.record_id(request, request_id))
-    await gen.start()
-    # The prompt as sent; token prompts as their text, special tokens included.
-    echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(items, prompts)] \
-        if req.echo else None
-    fmt = CompletionFormatter(ctx, gen, request_id, req.model or ctx.model_name, n, req.logprobs, echo,
-                              params.prompt_logprobs, req.return_token_ids, ctx.token_namer(req.return_tokens_as_token_ids))
-    return await respond(request, gen, fmt, req.stream, req.stream_options, {"X-Request-Id": request_id})
+class CompletionEndpoint(Endpoint):
+    """What a text completion does its own way within the shared steps (services/router/pipeline.py)."""
+    body = CompletionRequest
+    batch_field = "prompt"
+    kind, id_prefix, prompt_param = "completion", "cmpl", "prompt"
+
+    def __init__(self, ctx: RouterContext, req: CompletionRequest):
+        super().__init__(ctx, req)
+        self.items = prompt_items(req.prompt)
+        # Echo with max_tokens 0 scores the prompt (what evaluation harnesses send): the engine makes
+        # one token, which nobody sees.
+        self.score_only = req.echo and req.max_tokens == 0
+
+    def check(self) -> None:
+        if self.req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+
+    def token_ids(self) -> list[list[int]]:
+        return tokenize_prompts(self.ctx, self.items, self.req.add_special_tokens)
+
+    def asked_max_tokens(self) -> int | None:
+        return 1 if self.score_only else self.req.max_tokens
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        req = self.req
+        if req.stream and req.echo and req.logprobs is not None and len(prompts) > 1:
+            # Each prompt's echo chunk would wait for that prompt's first update; one at a time.
+            raise bad_request("echo with logprobs streams one prompt at a time", "echo")
+
+    def logprobs(self) -> int | None:
+        return self.req.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        # Echo with logprobs shows the prompt's logprobs too, in the logprobs and (as vLLM) as
+        # prompt_logprobs: vLLM sets prompt_logprobs = logprobs.
+        req = self.req
+        return req.logprobs if req.echo and req.prompt_logprobs is None else None
+
+    def formatter(self, gen: Generation, request_id: str, n: int, model: str, name) -> CompletionFormatter:
+        req, ctx = self.req, self.ctx
+        # The prompt as sent; token prompts as their text, special tokens included.
+        echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(self.items, gen.prompts)] \
+            if req.echo else None
+        return CompletionFormatter(ctx, gen, request_id, model, n, req.logprobs, echo, gen.params.prompt_logprobs,
+                                   req.return_token_ids, name)
 
 
 def prompt_items(prompt) -> list:
@@ -61,7 +69,7 @@ def prompt_items(prompt) -> list:
     return list(prompt)
 
 
-def tokenize_prompts(ctx: "RouterContext", items: list, add_special_tokens: bool = True) -> list[list[int]]:
+def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool = True) -> list[list[int]]:
     """Each prompt (text or token ids) -> its token ids, checked."""
     if not items:
         raise bad_request("prompt must not be empty", "prompt")

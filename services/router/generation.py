@@ -10,10 +10,12 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from pagedserve.services import protocol
+from pagedserve.services.router.admission import Ticket
 from pagedserve.services.router.choices import ChoiceEvent, ChoiceState
+from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.detokenizer import IncrementalDetokenizer
 from pagedserve.services.router.errors import APIError
 from pagedserve.services.router.metrics import FinishedRequest
@@ -21,10 +23,6 @@ from pagedserve.services.router.pacing import BEHIND_UPDATES, StreamPacer
 from pagedserve.services.router.scheduler_client import Buffered, Failure, SchedulerUnavailable
 from pagedserve.services.router.stop_strings import StopStrings
 from pagedserve.services.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedserve.services.router.admission import Ticket
-    from pagedserve.services.router.app import RouterContext
 
 log = logging.getLogger("pagedserve.router")
 
@@ -38,7 +36,7 @@ class _Disconnected:
 
 
 class Generation:
-    def __init__(self, ctx: "RouterContext", request_id: str, prompts: list[list[int]],
+    def __init__(self, ctx: RouterContext, request_id: str, prompts: list[list[int]],
                  params: SamplingParams, include_stop_str: bool = False, kind: str = "completion",
                  stream: bool = True, score_only: bool = False, true_output_len: int | None = None,
                  ticket: Ticket | None = None, stream_interval: int = 1, record_id: str | None = None):

@@ -108,7 +108,7 @@ class ChatMessage(_Strict):
 
 
 class ChatTemplateFields(_Strict):
-    """What the chat template is rendered from (services/router/chat.py render_prompt); chat
+    """What the chat template is rendered from (services/router/chat_template.py render_prompt); chat
     completions and /tokenize take the same fields, with vLLM's defaults."""
     messages: FastList[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True

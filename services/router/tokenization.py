@@ -8,17 +8,13 @@ the tokenizer's defaults). Outside /v1, so like vLLM's they need no API key (ser
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pagedserve.services.router.chat import render_prompt
+from pagedserve.services.router.chat_template import render_prompt
+from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import bad_request
 from pagedserve.services.router.openai_schema import DetokenizeRequest, TokenizeRequest
 
-if TYPE_CHECKING:
-    from pagedserve.services.router.app import RouterContext
 
-
-async def tokenize(ctx: "RouterContext", request) -> dict:
+async def tokenize(ctx: RouterContext, request) -> dict:
     req, size = await ctx.read_json(request, TokenizeRequest)
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
@@ -36,12 +32,12 @@ async def tokenize(ctx: "RouterContext", request) -> dict:
     return {"count": len(ids), "max_model_len": ctx.info.max_model_len, "tokens": ids, "token_strs": strs}
 
 
-async def detokenize(ctx: "RouterContext", request) -> dict:
+async def detokenize(ctx: RouterContext, request) -> dict:
     req, size = await ctx.read_json(request, DetokenizeRequest)
     ctx.check_model(req.model)
     return {"prompt": await ctx.off_loop(_decode, ctx, req.tokens, size=size)}
 
 
-def _decode(ctx: "RouterContext", tokens: list[int]) -> str:
+def _decode(ctx: RouterContext, tokens: list[int]) -> str:
     ctx.check_token_ids(tokens, "tokens")      # a walk of every id: off the loop with the decode
     return ctx.info.tokenizer.decode(tokens)
