@@ -1,12 +1,18 @@
 """The multi-turn chat workload (issue 27): its script, its runner against the in-process fake
-server, and the infinite-cache bound worked by hand. Fast: no model,
-no tokenizer (a character codec stands in), no stack."""
+server, the infinite-cache bound worked by hand; and bench_host_cache's refused runs marked as such
+and its stop on SIGTERM. Fast: no model, no tokenizer (a character codec stands in), no stack."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import math
+import os
+import signal
 
+import pytest
+
+from pagedserve.loadgen import bench_host_cache
+from pagedserve.loadgen.bench_host_cache import Stopped, arm_stop_signals, table
 from pagedserve.loadgen.config import MultiTurnConfig
 from pagedserve.loadgen.fake_server import FakeServer
 from pagedserve.loadgen.multi_turn import build_script, system_prompt
@@ -141,3 +147,28 @@ def test_a_turn_that_would_not_fit_the_context_ends_the_conversation(tmp_path):
     assert {r.turn for r in result.records} < {0, 1, 2, 3}
     assert any("would not fit" in n for n in result.notes)
 
+
+def test_a_bench_row_with_refused_requests_is_marked():
+    row = {"run": "host", "completed": 95, "failed": 105, "refused": 100, "device_hit_rate": 0.2,
+           "host_hit_rate": 0.1, "hit_rate": 0.3, "bound": 0.5, "prefill_saved": 1000.0, "mean_ttft_ms": 80.0,
+           "p99_ttft_ms": 200.0, "output_throughput": 50.0}
+    held = dict(row, run="device", failed=0, refused=0)
+    text = table([held, row])
+    held_line, refused_line = text.splitlines()[2:4]
+    assert "refused" not in held_line and "100 refused" in refused_line and "did not hold" in refused_line
+    assert "latencies of the 95 served only" in text
+
+
+def test_sigterm_stops_the_bench_once_and_its_teardown_is_not_interrupted(monkeypatch):
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(bench_host_cache, "_stopping", False)
+    try:
+        arm_stop_signals()
+        with pytest.raises(Stopped):            # raised where the main thread is: its finally stops the stack
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        arm_stop_signals()                      # after a replay: stays ignored while stopping
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
