@@ -16,6 +16,11 @@ and p99, output throughput; for the restart run, the hit rate (each request's us
 of the 100 requests sent before the kill and of the first 100 served after it. Each run's full
 loadgen report goes to OUT/NAME/. The model wants a context long enough that a scaled trace block
 still holds whole KV blocks (4k-8k; README: "The host tier, measured").
+
+A run whose requests the server refused (503 queue full, 429) did not hold its rate: its row says
+how many and is marked, since its latencies are those of the survivors. SIGTERM or Ctrl-C stops the
+benchmark: the run under way stops sending and writes what it has, its stack is stopped, the runs
+after it are not started, and the table holds the runs done (exit 130).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import signal
 import threading
 import time
 from pathlib import Path
+
+from pagedserve.loadgen.metrics import refused_count
 
 RUNS = {"none": ["--no-enable-prefix-caching", "--kv-offloading-size", "0"],
         "device": ["--kv-offloading-size", "0"],
@@ -58,6 +65,34 @@ def around_restart(records: list, killed_at: float, n: int = 100) -> tuple[float
     return window_hit_rate(before), window_hit_rate(after)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT outside a replay (a stack starting, a report being written)."""
+
+
+_stopping = False      # a stop was asked: later signals are ignored until the teardown is over
+
+
+def arm_stop_signals() -> None:
+    """SIGTERM and SIGINT raise Stopped, so that the `finally` stopping a run's stack runs (SIGTERM's
+    default would leave every process of the stack behind). A replay takes both signals over while it
+    sends (stop sending, write what it has) and leaves them at their defaults: re-armed after it."""
+    def stop(signum, frame):
+        ignore_stop_signals()
+        raise Stopped(signal.Signals(signum).name)
+    if _stopping:
+        return ignore_stop_signals()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def ignore_stop_signals() -> None:
+    """The benchmark is stopping: the teardown must finish (Stack.stop kills what does not stop)."""
+    global _stopping
+    _stopping = True
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def run_one(name: str, args, swap_gib: float) -> dict:
     from pagedserve.loadgen.config import ReplayConfig
     from pagedserve.loadgen.replay import replay
@@ -81,9 +116,14 @@ def run_one(name: str, args, swap_gib: float) -> dict:
                     os.kill(pid, signal.SIGKILL)
             timer = threading.Timer(args.num_requests / args.rate / 2, kill)
             timer.start()
-        result = replay(cfg)
-        if timer is not None:
-            timer.cancel()
+        try:
+            result = replay(cfg)
+        finally:
+            arm_stop_signals()
+            if timer is not None:
+                timer.cancel()
+        if result.interrupted:          # the signal went to the replay: the benchmark ends with this run
+            ignore_stop_signals()
         summary = write_outputs(result, cfg.out)
     finally:
         stack.stop()
@@ -93,7 +133,8 @@ def run_one(name: str, args, swap_gib: float) -> dict:
            "hit_rate": pc["hit_rate"], "bound": pc["infinite_cache_bound"],
            "prefill_saved": (pc["device_hit_tokens"] or 0) + (pc["host_hit_tokens"] or 0),
            "mean_ttft_ms": summary["mean_ttft_ms"], "p99_ttft_ms": summary["p99_ttft_ms"],
-           "output_throughput": summary["output_throughput"]}
+           "output_throughput": summary["output_throughput"], "refused": refused_count(summary["errors"]),
+           "interrupted": summary["interrupted"]}
     if killed:
         row["before_restart"], row["after_restart"] = around_restart(result.records, killed[0])
     return row
@@ -104,15 +145,28 @@ def pct(v) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """The runs side by side; a run with refused requests (or stopped) is marked in its row and said
+    under the table: its latencies are those of the requests that got through, not of the rate."""
     lines = ["| run | done / failed | hits device + host = all | bound (no eviction) | prefill tokens saved "
              "| TTFT mean / p99 ms | output tok/s | hit rate 100 before / after the restart |",
              "|---|---|---|---|---|---|---|---|"]
+    warnings = []
     for r in rows:
         around = f"{pct(r['before_restart'])} / {pct(r['after_restart'])}" if "before_restart" in r else ""
-        lines.append(f"| {r['run']} | {r['completed']} / {r['failed']} | {pct(r['device_hit_rate'])} + "
+        refused, mark = r.get("refused", 0), ""
+        if refused:
+            mark = " (refused: did not hold)"
+            warnings.append(f"- **{r['run']}**: {refused} of {r['completed'] + r['failed']} requests refused (503 "
+                            f"queue full, 429): the run did not hold its rate; its TTFT and throughput are the "
+                            f"latencies of the {r['completed']} served only.")
+        if r.get("interrupted"):
+            mark += " (interrupted)"
+            warnings.append(f"- **{r['run']}**: stopped by a signal before all its requests were sent.")
+        failed = f"{r['failed']}, {refused} refused" if refused else f"{r['failed']}"
+        lines.append(f"| {r['run']}{mark} | {r['completed']} / {failed} | {pct(r['device_hit_rate'])} + "
                      f"{pct(r['host_hit_rate'])} = {pct(r['hit_rate'])} | {pct(r['bound'])} | {r['prefill_saved']:.0f} "
                      f"| {r['mean_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | {r['output_throughput']:.1f} | {around} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + warnings if warnings else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,12 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = spec.block_bytes(16, torch.float32)
     # The launcher makes int(GiB * 2^30) // block_bytes host blocks: half a block more keeps the count.
     swap_gib = (args.host_ratio * args.device_blocks + 0.5) * block_bytes / (1 << 30)
-    rows = [run_one(name, args, swap_gib) for name in runs]
-    text = table(rows)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "table.md").write_text(text + "\n")
-    print(text)
-    return 0
+    arm_stop_signals()
+    rows: list[dict] = []
+    stopped = False
+    try:
+        for name in runs:
+            rows.append(run_one(name, args, swap_gib))
+            if rows[-1]["interrupted"]:
+                stopped = True
+                break
+    except Stopped as e:
+        stopped = True
+        print(f"bench_host_cache: {e}: stopped; the stack of the run under way is down", flush=True)
+    if rows:
+        text = table(rows)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "table.md").write_text(text + "\n")
+        print(text)
+    return 130 if stopped else 0
 
 
 if __name__ == "__main__":

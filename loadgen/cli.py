@@ -1,6 +1,7 @@
-"""`loadgen`: replay traces against any OpenAI-compatible server (`replay`), sweep request rates
-(`sweep`), put runs side by side (`compare`), and run the project's own scheduler and block store
-against a GPU cost model in virtual time (`simulate`). Options: loadgen.config; `loadgen CMD --help`.
+"""`loadgen`: replay traces against any OpenAI-compatible server (`replay`), chat conversations of
+several turns (`multi-turn`), sweep request rates (`sweep`), put runs side by side (`compare`), and
+run the project's own scheduler and block store against a GPU cost model in virtual time
+(`simulate`). Options: loadgen.config; `loadgen CMD --help`.
 
 A run that cannot start (server down, bad trace, bad flag) is one line on stderr and exit 2.
 """
@@ -11,11 +12,14 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.loadgen.config import CompareConfig, PaperConfig, ReplayConfig, SimulateConfig, SweepConfig
+from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, ReplayConfig, SimulateConfig,
+                                       SweepConfig)
 from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
     "replay": (ReplayConfig, "replay a workload once and write its report"),
+    "multi-turn": (MultiTurnConfig, "chat conversations: users arrive, each sends T turns with the whole "
+                                    "conversation so far, think time between them"),
     "sweep": (SweepConfig, "one replay per request rate, and latency against rate"),
     "compare": (CompareConfig, "several sweeps or replays on the same axes and in one table"),
     "simulate": (SimulateConfig, "the real scheduler and block store against a GPU cost model, in virtual time"),
@@ -70,6 +74,15 @@ def _run(command: str, cfg) -> int:
         summary = write_outputs(replay(cfg), cfg.out)
         print(_one_line(summary) + f"; report in {cfg.out}/report.md")
         return 130 if summary["interrupted"] else 0
+    if command == "multi-turn":
+        from pagedserve.loadgen.multi_turn_report import write_outputs as write_turns
+        from pagedserve.loadgen.multi_turn_run import multi_turn
+        s = write_turns(multi_turn(cfg), cfg.out)
+        pc = s["prefix_cache"]
+        share = (lambda v: "-" if v is None else f"{100 * v:.1f} %")
+        print(_one_line(s) + f"; {s['refused']} refused; prefix hits device {share(pc['device_hit_rate'])}, "
+              f"host {share(pc['host_hit_rate'])}, bound {share(pc['infinite_cache_bound'])}; report in {cfg.out}/report.md")
+        return 130 if s["interrupted"] else 0
     if command == "simulate":
         from pagedserve.loadgen.simulate import simulate, write_outputs as write_sim
         try:

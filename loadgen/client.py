@@ -34,6 +34,8 @@ class Target:
     temperature: float = 0.0
     force_output_len: bool = True
     send_true_output_len: bool = False   # pagedserve's Orca baselines reserve it; other servers reject it
+    keep_text: bool = False     # decode every token event and keep the answer (multi-turn: the next
+                                # turn sends it back); off, token events are only timed
 
     @property
     def path(self) -> str:
@@ -48,7 +50,7 @@ class Target:
             body["prompt"] = req.prompt
             body["max_tokens"] = req.output_len
         else:
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
             body["max_completion_tokens"] = req.output_len
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -78,6 +80,7 @@ class RequestRecord:
     error_detail: str | None = None
     usage_missing: bool = False             # output_tokens counted from text events, a lower bound
     cached_tokens: int | None = None        # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
+    answer: str | None = None               # the answer's text, only under Target.keep_text
 
     @classmethod
     def planned(cls, req: PlannedRequest) -> "RequestRecord":
@@ -112,6 +115,8 @@ async def send(session: aiohttp.ClientSession, target: Target, req: PlannedReque
     rec = rec or RequestRecord.planned(req)
     clock = time.perf_counter
     rec.send = clock() - t0
+    if target.keep_text:
+        rec.answer = ""
     try:
         async with asyncio.timeout(timeout):
             async with session.post(target.url + target.path, json=target.body(req),
@@ -123,7 +128,10 @@ async def send(session: aiohttp.ClientSession, target: Target, req: PlannedReque
                 if target.stream:
                     await _read_stream(resp, rec, t0)
                 else:
-                    _take_usage(rec, _object(await resp.read()))
+                    obj = _object(await resp.read())
+                    _take_usage(rec, obj)
+                    if rec.answer is not None:
+                        rec.answer = _text_of(obj, "message")
     except asyncio.CancelledError:
         _failed(rec, "interrupted", "the run was stopped", clock() - t0)
         raise
@@ -220,6 +228,8 @@ def _take_event(data: bytes, rec: RequestRecord, now: float) -> bool:
         if rec.first_token is None:
             rec.first_token = now
         rec.token_times.append(now)
+        if rec.answer is not None:
+            rec.answer += _text_of(_object(data), "delta")
     if data == b"[DONE]":
         return True
     if b'"error"' in data or b'"usage"' in data:
@@ -232,6 +242,15 @@ def _take_event(data: bytes, rec: RequestRecord, now: float) -> bool:
         if obj.get("usage"):
             _take_usage(rec, obj)
     return False
+
+
+def _text_of(obj: dict, part: str) -> str:
+    """The first choice's text: chat's `part` (delta or message) content, or completions' text."""
+    choices = obj.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    inner = choice.get(part)
+    text = inner.get("content") if isinstance(inner, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def _take_usage(rec: RequestRecord, obj: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedserve.loadgen.multi_turn import TURN_LENGTHS
 from pagedserve.loadgen.traces import TRACE_NAMES
 from pagedserve.loadgen.workload import FIT_MODES
 from pagedserve.services.flags import opt
@@ -135,6 +136,47 @@ class SweepConfig(ReplayConfig):
         if self.rates == ["auto"]:
             return None
         return [float(r) for r in self.rates]
+
+
+@dataclass
+class MultiTurnConfig:
+    # target (as replay's)
+    url: str = opt("http://127.0.0.1:8000", "the server's base URL (any OpenAI-compatible chat server)")
+    model: str | None = opt(None, "model name to send (default: the first id in /v1/models)")
+    api_key: str | None = opt(None, "bearer token", env="OPENAI_API_KEY")
+    tokenizer: str | None = opt(None, "the model's local tokenizer folder (required): messages are real "
+                                      "text, and the token ids sent give the infinite-cache bound")
+    max_model_len: int | None = opt(None, "the context (default: max_model_len from /v1/models); a "
+                                          "conversation ends at the turn that would not fit", check=_at_least(2))
+    # the workload
+    users: int = opt(20, "conversations (users)", check=_at_least(1))
+    turns: int = opt(5, "turns per conversation", check=_at_least(1))
+    user_rate: float = opt(0.5, "new users per second (Poisson), or inf: all at once", check=_positive)
+    think_time: float = opt(5.0, "mean seconds between an answer and the user's next turn (exponential; 0: "
+                                 "none)", check=lambda v: v >= 0 or "must be >= 0")
+    turn_lengths: str = opt("sharegpt", "sharegpt: user message and answer lengths per turn from the "
+                                        "ShareGPT fit (loadgen.lengths), divided by --length-scale; fixed: "
+                                        "--user-len and --output-len", choices=TURN_LENGTHS)
+    length_scale: float = opt(1.0, "sharegpt: divide every drawn length by this (small contexts)", check=_positive)
+    user_len: int = opt(64, "fixed: tokens per user message", check=_at_least(1))
+    output_len: int = opt(64, "fixed: tokens per answer", check=_at_least(1))
+    system_len: int = opt(64, "tokens of the system prompt every conversation starts with (0: none)",
+                          check=_at_least(0))
+    kv_block_size: int = opt(16, "the server's KV block size, for the infinite-cache bound", check=_at_least(1))
+    seed: int = opt(0, "fixes every draw: arrivals, think times, lengths, messages")
+    # requests
+    stream: bool = opt(True, "stream responses (SSE); TTFT needs it")
+    temperature: float = opt(0.0, "sampling temperature sent", check=lambda v: v >= 0 or "must be >= 0")
+    force_output_len: bool = opt(True, "send ignore_eos and min_tokens so that every answer has its length")
+    timeout: float = opt(600.0, "seconds a request may take before it counts as a timeout", check=_positive)
+    # report
+    percentiles: list[float] = opt([50.0, 90.0, 99.0], "percentiles to report", check=_percentiles)
+    metrics_interval: float = opt(0.5, "seconds between scrapes of the server's /metrics (0: none)",
+                                  check=lambda v: v >= 0 or "must be >= 0")
+    out: str = opt("loadgen-multi-turn", "folder for summary.json, requests.jsonl, metrics.jsonl, report.md")
+    label: str | None = opt(None, "name of this run in reports (default: the server and the workload)")
+    progress: bool = opt(True, "show a progress bar on stderr")
+    grace: float = opt(5.0, "after Ctrl-C, seconds to wait for requests in flight", check=lambda v: v >= 0 or "must be >= 0")
 
 
 @dataclass

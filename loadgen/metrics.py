@@ -19,6 +19,14 @@ import numpy as np
 from pagedserve.loadgen.client import RequestRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
+# Error kinds that mean the server refused the request (queue full, rate limit) rather than failed
+# it: a run with any of them did not hold its rate, and its latencies are those of the survivors.
+REFUSED = ("http_429", "http_503")
+
+
+def refused_count(errors: dict[str, int]) -> int:
+    """Requests refused, from summarize()'s errors by kind."""
+    return sum(errors.get(kind, 0) for kind in REFUSED)
 
 
 def percentile_key(p: float) -> str:

@@ -164,14 +164,21 @@ def plan_line(cfg: ReplayConfig, plan: Plan) -> str:
     return long_run_line("loadgen", what, plan.requests[-1].arrival)
 
 
-async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: Target) -> RunResult:
-    loop = asyncio.get_running_loop()
+def stop_on_signals(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Event, asyncio.Event]:
+    """(stop, hurry): the first SIGINT or SIGTERM sets stop (send nothing more, give what is in
+    flight --grace seconds), the second sets hurry (cancel it now). The caller removes the handlers."""
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal():
         (hurry if stop.is_set() else stop).set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    return stop, hurry
+
+
+async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: Target) -> RunResult:
+    loop = asyncio.get_running_loop()
+    stop, hurry = stop_on_signals(loop)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     progress: Progress | None = None
     notes: list[str] = []

@@ -73,10 +73,13 @@ class Stack:
                     ready.set()
         threading.Thread(target=pump, daemon=True).start()
         deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the stack did not start:\n" + "".join(self.lines[-60:]))
+        try:
+            while not ready.wait(0.5):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the stack did not start:\n" + "".join(self.lines[-60:]))
+        except BaseException:     # a failed start, or Ctrl-C / SIGTERM while waiting: leave no stack behind
+            self.stop()
+            raise
         self.pids = children_of(self.proc.pid)
 
     @property

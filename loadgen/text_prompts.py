@@ -50,6 +50,11 @@ class TextCodec:
             return list(out["input_ids"] if hasattr(out, "keys") else out)
         return self.tokenizer(text)["input_ids"]
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids a chat server makes of these messages (its template, the generation prompt)."""
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
     @property
     def pool(self) -> list[int]:
         return sorted(self.piece)

@@ -185,6 +185,8 @@ class PlannedRequest:
     input_len: int                  # tokens the prompt should come to at the server
     output_len: int
     prefix_blocks: int = 0          # leading trace blocks (hash ids) this prompt carries
+    messages: list[dict] | None = None   # chat: the whole conversation, sent instead of `prompt`
+                                         # as one user message (the multi-turn workload)
 
 
 @dataclass
