@@ -1,4 +1,5 @@
-"""The host tier of the prefix cache, measured on the Mooncake conversation trace (issue 14).
+"""The host tier of the prefix cache, measured on the Mooncake conversation trace (issue 14), or with
+`--workload multi-turn` on chat users resending their conversations (issue 27; bench_host_multi_turn).
 
 One stack (`pagedserve up`), the same device pool, four runs of the same replay:
   none     no prefix caching
@@ -171,19 +172,32 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="a local model folder (a 4k-8k context)")
-    ap.add_argument("--device-blocks", type=int, default=512)
+    ap.add_argument("--workload", choices=("mooncake", "multi-turn"), default="mooncake",
+                    help="mooncake: the conversation trace replayed; multi-turn: chat users (bench_host_multi_turn)")
+    ap.add_argument("--model", help="a local model folder (a 4k-8k context); multi-turn: default the tiny Llama "
+                                    "with a 4k context, built on first use")
+    ap.add_argument("--device-blocks", type=int, help="device pool in 16-token blocks (default: 512; multi-turn 256)")
     ap.add_argument("--host-ratio", type=float, default=4.0, help="host pool / device pool, in blocks")
-    ap.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
-    ap.add_argument("--num-requests", type=int, default=400)
+    ap.add_argument("--rate", type=float, default=1.0, help="mooncake: requests per second (Poisson)")
+    ap.add_argument("--num-requests", type=int, default=400, help="mooncake: requests per run")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default="none,device,host,restart")
-    ap.add_argument("--out", default="bench-host-cache")
+    ap.add_argument("--out", default=None, help="default: bench-host-cache (multi-turn: bench-host-cache-multi-turn)")
+    from pagedserve.loadgen import bench_host_multi_turn as mt
+    mt.add_arguments(ap)
     args = ap.parse_args(argv)
+    multi = args.workload == "multi-turn"
     runs = args.runs.split(",")
     if not set(runs) <= set(RUNS):
         ap.error(f"--runs: each of {', '.join(RUNS)}")
+    if args.model is None:
+        if not multi:
+            ap.error("--model: required with --workload mooncake")
+        args.model = mt.default_model()
+    if args.device_blocks is None:
+        args.device_blocks = mt.DEFAULTS["device_blocks"] if multi else 512
+    args.out = args.out or ("bench-host-cache-multi-turn" if multi else "bench-host-cache")
     import torch
     from pagedserve.services.worker.model_loader import inspect_model_dir
     _, spec = inspect_model_dir(args.model)
@@ -193,17 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     arm_stop_signals()
     rows: list[dict] = []
     stopped = False
-    try:
-        for name in runs:
-            rows.append(run_one(name, args, swap_gib))
-            if rows[-1]["interrupted"]:
-                stopped = True
-                break
-    except Stopped as e:
-        stopped = True
-        print(f"bench_host_cache: {e}: stopped; the stack of the run under way is down", flush=True)
+    if multi:
+        rows, stopped = mt.main(args, runs, swap_gib)
+    else:
+        try:
+            for name in runs:
+                rows.append(run_one(name, args, swap_gib))
+                if rows[-1]["interrupted"]:
+                    stopped = True
+                    break
+        except Stopped as e:
+            stopped = True
+            print(f"bench_host_cache: {e}: stopped; the stack of the run under way is down", flush=True)
     if rows:
-        text = table(rows)
+        text = mt.table(rows) + "\n\nTargets (issue 27):\n" + "\n".join(mt.targets(rows)) if multi else table(rows)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "table.md").write_text(text + "\n")
         print(text)

@@ -14,7 +14,7 @@ import numpy as np
 from pagedserve.loadgen.metrics import refused_count, summarize
 from pagedserve.loadgen.multi_turn_run import MultiTurnResult, TurnRecord
 from pagedserve.loadgen.report import jsonable, prefix_cache_of, write_run
-from pagedserve.loadgen.workload import prefix_cache_bound
+from pagedserve.loadgen.workload import chained_hits, prefix_cache_bound
 
 
 def per_turn(records: list[TurnRecord]) -> list[dict]:
@@ -36,9 +36,33 @@ def per_turn(records: list[TurnRecord]) -> list[dict]:
     return rows
 
 
-def summary_of(result: MultiTurnResult) -> dict:
+def bound_with_answers(prompts: list[list[int]], records: list[TurnRecord], encode, block_size: int) -> float:
+    """The infinite-cache bound counting the server's answers too: a server caches the full blocks
+    of what it generated, and the next turn sends them back, so the prompts-only bound undercounts
+    what it can hit. In time order, each prompt is looked up and then kept (as prefix_cache_bound
+    does), and once a turn's answer has ended, prompt + encode(answer) is kept as well. The
+    answer's ids are its text tokenized again (the generated ids are not recorded), an
+    approximation: a random-weight model's tokens need not tokenize back to themselves."""
+    events = []
+    for i, (ids, rec) in enumerate(zip(prompts, records)):
+        events.append((rec.send if rec.send is not None else rec.arrival, 0, i, ids))
+        if rec.ok and rec.answer and rec.end is not None:
+            events.append((rec.end, 1, i, ids + list(encode(rec.answer))))
+    seen: set = set()
+    hits = total = 0
+    for _, answer, _, ids in sorted(events, key=lambda e: e[:3]):
+        total += 0 if answer else len(ids)
+        hits += chained_hits(ids, block_size, seen, look_up=not answer)
+    return hits / total if total else 0.0
+
+
+def summary_of(result: MultiTurnResult, encode=None) -> dict:
+    """`encode` (text -> token ids, no special tokens) adds the bound counting the answers."""
     cfg = result.config
     figures = summarize(result.records, cfg.percentiles)
+    pc = prefix_cache_of(result.samples, prefix_cache_bound(result.prompts, cfg.kv_block_size))
+    if encode is not None:
+        pc["bound_with_answers"] = bound_with_answers(result.prompts, result.records, encode, cfg.kv_block_size)
     return {
         **figures,
         "label": cfg.label or f"{result.server.model} @ {result.server.url}, multi-turn",
@@ -48,7 +72,7 @@ def summary_of(result: MultiTurnResult) -> dict:
         "turns_sent": len(result.records),
         "conversations_ended_at_context": result.ended_at_context,
         "per_turn": per_turn(result.records),
-        "prefix_cache": prefix_cache_of(result.samples, prefix_cache_bound(result.prompts, cfg.kv_block_size)),
+        "prefix_cache": pc,
         "server": dataclasses.asdict(result.server),
         "metrics_available": result.metrics_available,
         "started_at": result.started_at,
@@ -57,9 +81,9 @@ def summary_of(result: MultiTurnResult) -> dict:
     }
 
 
-def write_outputs(result: MultiTurnResult, out: str | Path) -> dict:
+def write_outputs(result: MultiTurnResult, out: str | Path, encode=None) -> dict:
     out = Path(out)
-    summary = summary_of(result)
+    summary = summary_of(result, encode)
     write_run(out, summary, result.records)
     with (out / "metrics.jsonl").open("w") as f:
         for sample in result.samples:
@@ -101,6 +125,8 @@ def markdown(s: dict, result: MultiTurnResult) -> str:
         f"{share(pc['device_hit_rate'])}, host {share(pc['host_hit_rate'])}) |",
         f"| infinite-cache bound of the prompts sent ({cfg.kv_block_size}-token blocks) | "
         f"{share(pc['infinite_cache_bound'])} |",
+        *([f"| the same, the answers' blocks counted once each turn ends | {share(pc['bound_with_answers'])} |"]
+          if "bound_with_answers" in pc else []),
         "", "| turn | sent | completed | TTFT mean ms | TTFT p99 ms | prompt tokens (mean) | cached (usage) |",
         "|---|---|---|---|---|---|---|",
     ]

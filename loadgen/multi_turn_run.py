@@ -72,8 +72,10 @@ def multi_turn(cfg: MultiTurnConfig) -> MultiTurnResult:
     return asyncio.run(run_multi_turn(cfg, load_codec(cfg)))
 
 
-async def run_multi_turn(cfg: MultiTurnConfig, codec) -> MultiTurnResult:
-    """`codec`: pool (token ids), text(ids) -> str, chat_ids(messages) -> ids (text_prompts.TextCodec)."""
+async def run_multi_turn(cfg: MultiTurnConfig, codec, on_sent=None) -> MultiTurnResult:
+    """`codec`: pool (token ids), text(ids) -> str, chat_ids(messages) -> ids (text_prompts.TextCodec).
+    `on_sent(records)`, if given, is called as each turn is about to be sent, its record last (the
+    host-tier benchmark kills the scheduler half way through the turns, not half way in time)."""
     async with new_session(None) as session:
         server = await discover(session, cfg)
         script = build_script(script_options(cfg), codec.pool, codec.text)
@@ -81,11 +83,11 @@ async def run_multi_turn(cfg: MultiTurnConfig, codec) -> MultiTurnResult:
         print(long_run_line("loadgen", f"{cfg.users} users x {cfg.turns} turns", span), file=sys.stderr, flush=True)
         target = Target(cfg.url.rstrip("/"), server.model, "chat", cfg.api_key, cfg.stream, cfg.temperature,
                         cfg.force_output_len, keep_text=True)
-        return await _run(session, cfg, server, script, target, codec)
+        return await _run(session, cfg, server, script, target, codec, on_sent)
 
 
 async def _run(session, cfg: MultiTurnConfig, server: Server, script: list[Conversation], target: Target,
-               codec) -> MultiTurnResult:
+               codec, on_sent=None) -> MultiTurnResult:
     loop = asyncio.get_running_loop()
     stop, hurry = stop_on_signals(loop)
     system = codec.text(system_prompt(codec.pool, cfg.system_len, cfg.seed)) if cfg.system_len else None
@@ -122,6 +124,8 @@ async def _run(session, cfg: MultiTurnConfig, server: Server, script: list[Conve
             records.append(rec)
             prompts.append(ids)
             progress.sent()
+            if on_sent is not None:
+                on_sent(records)
             try:
                 await send(session, target, req, t0, cfg.timeout, rec)
             finally:

@@ -206,15 +206,23 @@ def prefix_cache_bound(prompts: list[list[int]], block_size: int) -> float:
     hits = total = 0
     for ids in prompts:
         total += len(ids)
-        key, hitting = None, True
-        for i in range((len(ids) - 1) // block_size):
-            key = (key, tuple(ids[i * block_size:(i + 1) * block_size]))
-            if hitting and key in seen:
-                hits += block_size
-            else:
-                hitting = False
-                seen.add(key)
+        hits += chained_hits(ids, block_size, seen)
     return hits / total if total else 0.0
+
+
+def chained_hits(ids: list[int], block_size: int, seen: set, look_up: bool = True) -> int:
+    """Tokens of the full blocks before ids' last token that hit in `seen` (chained keys: a block
+    hits only if every block before it did); every block not hit is added to `seen`. look_up=False
+    only adds (a sequence the cache keeps without it having been a prompt)."""
+    key, hitting, hits = None, look_up, 0
+    for i in range((len(ids) - 1) // block_size):
+        key = (key, tuple(ids[i * block_size:(i + 1) * block_size]))
+        if hitting and key in seen:
+            hits += block_size
+        else:
+            hitting = False
+            seen.add(key)
+    return hits
 
 
 def sent_fit(fit: Fit, kept: list[tuple[int, TraceRequest, bool]], sent: list[int], trace_len: int) -> Fit:
