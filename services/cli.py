@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.services.tiny_model import TinyModelError
     from pagedserve.services.model_dir import ModelLoadError
     from pagedserve.services.sampling_params import SamplingParamsError
-    from pagedserve.services.engine import PromptTooLongError
-    # ValueError covers every config's validate() (ConfigError, SchedulerError are ValueErrors).
-    expected = (ValueError, TinyModelError, ModelLoadError, SamplingParamsError, PromptTooLongError)
+    # ValueError covers every config's validate() (ConfigError, SchedulerError are ValueErrors) and
+    # the engine's PromptTooLongError (not imported here: the engine loads torch, `up` does not).
+    expected = (ValueError, TinyModelError, ModelLoadError, SamplingParamsError)
     try:
         return args.func(args)
     except expected as e:

@@ -93,11 +93,11 @@ def config_from_args(args) -> Config:
 
 def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process, in start order: kvstore, workers, scheduler, routers."""
-    from pagedserve.services.worker.model_loader import context_length, inspect_model_dir, serving_dtype
+    from pagedserve.services.model_dir import context_length, read_model_dir, serving_dtype_name
 
-    _, spec = inspect_model_dir(model)
+    spec = read_model_dir(model)     # config.json alone: the launcher starts without loading torch
     context_length(cfg.max_model_len, spec)              # refused here, before anything starts
-    dtype = serving_dtype(cfg.dtype, cfg.device, spec)   # resolved once: kvstore and workers agree
+    dtype = serving_dtype_name(cfg.dtype, cfg.device, spec)   # resolved once: kvstore and workers agree
     block_bytes = spec.block_bytes(cfg.block_size, dtype, cfg.tensor_parallel)
     gib = 1 << 30
     if cfg.device == "cuda" and cfg.num_device_blocks is None:
@@ -126,7 +126,7 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                              "--tp-size", str(cfg.tensor_parallel), "--dist-init", dist,
                                              "--endpoint", worker, "--kvstore-endpoint", kv,
                                              "--device", cfg.device, "--block-size", str(cfg.block_size),
-                                             "--dtype", str(dtype).removeprefix("torch."),
+                                             "--dtype", dtype,
                                              "--profile-tokens", str(cfg.max_num_batched_tokens),
                                              "--profile-seqs", str(cfg.max_num_seqs),
                                              "--torch-threads", str(threads),

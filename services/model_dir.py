@@ -66,9 +66,31 @@ class ModelSpec:
         return head_shard(num_heads, self.num_kv_heads, SimpleNamespace(rank=0, size=tp_size)).num_kv_heads
 
     def block_bytes(self, block_size: int, dtype, tp_size: int = 1) -> int:
-        """Bytes of one KV block of one rank (dtype: a torch.dtype): K and V for every layer and for
-        that rank's KV heads (see docs/INTERFACES.md). Every rank's block has the same size."""
-        return self.num_layers * 2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim * dtype.itemsize
+        """Bytes of one KV block of one rank (dtype: a torch.dtype, or its name): K and V for every
+        layer and for that rank's KV heads (see docs/INTERFACES.md). Every rank's block has the
+        same size."""
+        itemsize = DTYPE_BYTES[dtype] if isinstance(dtype, str) else dtype.itemsize
+        return self.num_layers * 2 * block_size * self.kv_heads_per_rank(tp_size) * self.head_dim * itemsize
+
+
+# Bytes per element of the dtypes served (DTYPES in config_fields, "auto" resolved).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def serving_dtype_name(requested: str, device: str, spec: ModelSpec) -> str:
+    """The dtype weights and KV blocks are served in, by name; every process that sizes or views
+    the pool (launcher, kvstore flags, worker, offline engine) asks this one function (the worker's
+    model_loader.serving_dtype turns the name into torch's dtype).
+
+    "auto": on CUDA the checkpoint's own dtype (float16 when config.json names none, or names one
+    the kernels do not serve); on CPU float32, since half-precision matmuls are ~100x slower there."""
+    if requested != "auto" and requested not in DTYPE_BYTES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPE_BYTES)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if not device.startswith("cuda"):
+        return "float32"
+    return spec.checkpoint_dtype if spec.checkpoint_dtype in DTYPE_BYTES else "float16"
 
 
 def context_length(asked: int | None, spec: ModelSpec) -> int:

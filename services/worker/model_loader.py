@@ -9,25 +9,15 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.services.config_fields import DTYPES
-from pagedserve.services.model_dir import ModelLoadError, ModelSpec, context_length, read_model_dir  # noqa: F401
+from pagedserve.services.model_dir import (ModelLoadError, ModelSpec, context_length, read_model_dir,  # noqa: F401
+                                          serving_dtype_name)
 from pagedserve.services.worker.models import MODEL_REGISTRY
 from pagedserve.services.worker.tp import SINGLE, PackedPart, TensorParallel, TPConfigError, read_shard, read_slice
 
 
 def serving_dtype(requested: str, device: str, spec: ModelSpec) -> torch.dtype:
-    """The dtype weights and KV blocks are served in; every process that sizes or views the pool
-    (launcher, kvstore flags, worker, offline engine) asks this one function.
-
-    "auto": on CUDA the checkpoint's own dtype (float16 when config.json names none, or names one
-    the kernels do not serve); on CPU float32, since half-precision matmuls are ~100x slower there."""
-    if requested not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
-    if requested != "auto":
-        return getattr(torch, requested)
-    if torch.device(device).type == "cpu":
-        return torch.float32
-    return getattr(torch, spec.checkpoint_dtype) if spec.checkpoint_dtype in DTYPES[1:] else torch.float16
+    """torch's dtype for model_dir.serving_dtype_name (the one decision, made without torch)."""
+    return getattr(torch, serving_dtype_name(requested, str(device), spec))
 
 
 def inspect_model_dir(model_dir: str | Path):
