@@ -74,7 +74,8 @@ def test_the_walk_finds_a_planted_back_edge(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("module", ["pagedserve.services.scheduler.service", "pagedserve.services.scheduler.scheduler",
-                                    "pagedserve.services.router.service", "pagedserve.kvstore.store",
+                                    "pagedserve.services.router.service", "pagedserve.services.router.app",
+                                    "pagedserve.services.router.model_info", "pagedserve.kvstore.store",
                                     "pagedserve.kvstore.replay"])
 def test_processes_that_do_not_compute_import_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -188,6 +188,7 @@ def test_request_timeout_counts_the_constraints_compile(info, fake):
 
     with _router(info, fake, request_timeout_s=0.8) as r, httpx.Client(base_url=r.url, timeout=10) as http:
         r.ctx.grammar_cache = CompileCache(lambda name: SlowBackend())
+        r.ctx.compiler.ready().result(timeout=120)    # the compile process is up: only the compile is timed
         body = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "a+"}}
         t0 = time.monotonic()
         resp = http.post("/v1/completions", json=body)

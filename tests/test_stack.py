@@ -164,20 +164,30 @@ def test_two_routers_share_requests(stack, tiny_llama):
     assert not t.is_alive() and finish.get("reason") == "abort"
 
 
-def test_the_running_scheduler_and_launcher_have_no_torch_mapped(stack):
-    """The scheduler and the launcher read the model folder without torch (services/model_dir.py):
-    none of torch's libraries is in their memory maps, after the scheduler has served requests
-    (test order: this runs after some). On CPU the launcher never needs torch, and each stack
-    starts ~4 s sooner for it. The router still loads torch (its tokenizer class and xgrammar
-    import it): issue 26."""
+def test_the_running_scheduler_router_and_launcher_have_no_torch_mapped(stack, tiny_llama):
+    """The scheduler and the launcher read the model folder without torch (services/model_dir.py),
+    and the router loads its tokenizer without it and compiles grammars in a child process
+    (services/guided/compile_process.py): none of torch's libraries is in their memory maps, after
+    they have served requests, structured outputs among them."""
+    import openai
+    for url in stack.urls:
+        out = client(url).completions.create(model=tiny_llama, prompt="x", max_tokens=3, temperature=0,
+                                             extra_body={"structured_outputs": {"regex": "[ab]+"}})
+        assert set(out.choices[0].text) <= {"a", "b"}, out.choices[0].text
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).completions.create(model=tiny_llama, prompt="x", max_tokens=3,
+                                           extra_body={"structured_outputs": {"regex": "a("}})
+        assert "does not compile" in str(e.value)
     assert "libtorch" not in Path(f"/proc/{stack.proc.pid}/maps").read_text(), "the launcher maps torch"
+    roles = {b"pagedserve.services.scheduler.service": "scheduler", b"pagedserve.services.router.service": "router"}
+    seen = set()
     for pid in stack.pids:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"pagedserve.services.scheduler.service" in cmdline:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-            assert "libtorch" not in maps, "the scheduler process maps torch"
-            return
-    pytest.fail(f"no scheduler among the stack's processes {stack.pids}")
+        for module, role in roles.items():
+            if module in cmdline:
+                assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), f"the {role} process maps torch"
+                seen.add(role)
+    assert seen == set(roles.values()), f"not found among the stack's processes {stack.pids}: {set(roles.values()) - seen}"
 
 
 def test_metrics_and_kv(stack):

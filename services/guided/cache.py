@@ -27,8 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagedserve.services.guided import spec as specs
-from pagedserve.services.guided.backends import GrammarError
-from pagedserve.services.guided.limits import DEFAULT_CACHE_BYTES, Limits
+from pagedserve.services.guided.limits import DEFAULT_CACHE_BYTES, GrammarError, Limits
 
 DEFAULT_CAPACITY = 256
 DEFAULT_MAX_BYTES = DEFAULT_CACHE_BYTES
@@ -106,6 +105,19 @@ class CompileCache:
             self.bytes -= old.size
 
     def _compile(self, constraint: dict, k: str, entry: _Entry):
+        try:
+            return self._compile_checked(constraint, k, entry)
+        except GrammarError:
+            raise                       # a verdict on the constraint: cached
+        except Exception:
+            # A fault of the compiler (a child that could not start, a bug): not the constraint's,
+            # so not cached; the next request with it compiles again.
+            with self._lock:
+                if self._entries.get(k) is entry:
+                    del self._entries[k]
+            raise
+
+    def _compile_checked(self, constraint: dict, k: str, entry: _Entry):
         self.limits.check(constraint)
         backend = self.backend(constraint["backend"])
         start = time.monotonic()

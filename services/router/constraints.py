@@ -6,17 +6,19 @@ Three ways to ask, as vLLM takes them (one per request):
     structured_outputs   vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     guided_*             vLLM's older guided_json, guided_regex, guided_choice, guided_grammar
 The result is services.guided.spec's wire form, which travels in SamplingParams. `check` compiles
-it on the router's compile thread (the event loop awaits): a constraint that cannot compile is a
-400 naming the problem before anything is queued; the worker then compiles the same constraint
-from its own cache.
+it in the router's compile process (services/guided/compile_process.py; the event loop awaits): a
+constraint that cannot compile is a 400 naming the problem before anything is queued; the worker
+then compiles the same constraint from its own cache.
 """
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 from pagedserve.services.guided import spec as specs
-from pagedserve.services.guided.backends import GrammarError
-from pagedserve.services.router.errors import APIError, bad_request
+from pagedserve.services.guided.compile_process import CompilerUnavailable
+from pagedserve.services.guided.limits import GrammarError
+from pagedserve.services.router.errors import APIError, bad_request, unavailable
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM's structured_outputs keys this server does not serve: a 400, not a silently ignored constraint.
@@ -77,12 +79,25 @@ def _response_format(rf: dict) -> list:
                       "response_format.type")
 
 
-async def check(cache, constraint: dict | None, param: str | None, timeout_s: float | None = None) -> None:
+async def check(cache, constraint: dict | None, param: str | None, timeout_s: float | None = None,
+                ready: Future | None = None) -> None:
     """Compile the constraint (cached) off the event loop; a GrammarError (the cache's limits, or
     a compile past --grammar-compile-timeout) is a 400, a compile that outlasts the request's time
-    left (--request-timeout), when that comes first, a 504."""
+    left (--request-timeout), when that comes first, a 504. `ready`: the compiler's start-up
+    (CompileProcess.ready), awaited before the compile deadline starts and counted in the time left."""
     if constraint is None:
         return
+    if ready is not None:
+        t0 = asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ready)), timeout_s)
+        except CompilerUnavailable as e:
+            raise unavailable(str(e)) from None
+        except asyncio.TimeoutError:
+            raise APIError(504, "starting the grammar compiler took longer than the request's "
+                                "--request-timeout", param) from None
+        if timeout_s is not None:
+            timeout_s -= asyncio.get_running_loop().time() - t0
     deadline = cache.limits.compile_timeout_s
     try:
         # shield: the compile goes on for the cache (a cancelled entry would fail every later

@@ -20,8 +20,8 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from pagedserve.services.curve import SocketGuard
-from pagedserve.services.guided.backends import make_backend
 from pagedserve.services.guided.cache import CompileCache
+from pagedserve.services.guided.compile_process import CompileProcess
 from pagedserve.services.router.admission import Admission, Ticket
 from pagedserve.services.router.detokenizer import TokenTexts, fast_decoder
 from pagedserve.services.router.errors import APIError, bad_request
@@ -69,9 +69,12 @@ class RouterContext:
                                   offload=self.offload)
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
                                    on_reject=self.metrics.admission_rejected)
-        self.grammar_cache = CompileCache(
-            lambda name: make_backend(name, info.tokenizer, info.vocab_size, info.eos_token_ids),
-            **CompileCache.bounds_of(config))
+        # Compiles run in a child process (xgrammar imports torch; this process does not), and the
+        # cache keeps each verdict with the size the worker will hold the compiled form at.
+        bounds = CompileCache.bounds_of(config)
+        self.compiler = CompileProcess(info.path, info.vocab_size, info.eos_token_ids,
+                                       bounds["limits"].compile_timeout_s)
+        self.grammar_cache = CompileCache(self.compiler.backend, **bounds)
         self.metrics.grammar_cache_bytes.set_function(lambda: self.grammar_cache.bytes)
         self.structured_backend = config.structured_outputs_backend
 
@@ -85,6 +88,7 @@ class RouterContext:
     async def stop(self) -> None:
         self.offload.close()
         self.grammar_cache.close()
+        self.compiler.close()
         if self.backends is not None:
             await self.backends.close()
         if self.zmq_ctx is not None:

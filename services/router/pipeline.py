@@ -99,7 +99,8 @@ async def _run(ctx: RouterContext, request: Request, endpoint: type[Endpoint]):
     params, n = sampling_params(req, max_tokens=max_tokens, logprobs=ep.logprobs(), vocab_size=ctx.info.vocab_size,
                                 max_stop_strings=ctx.config.max_stop_strings, prompt_logprobs=ep.prompt_logprobs(),
                                 structured_outputs=constraint)
-    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request))
+    await check_constraint(ctx.grammar_cache, constraint, constraint_param, ctx.time_left(request),
+                           ready=None if constraint is None else ctx.compiler.ready())
     request_id = ctx.new_request_id(request, ep.id_prefix)
     gen = Generation(ctx, request_id, prompts, params, req.include_stop_str_in_output, ep.kind,
                      stream=bool(req.stream), score_only=ep.score_only, true_output_len=req.true_output_len,

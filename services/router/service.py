@@ -116,8 +116,20 @@ def _server_class():
     return Server
 
 
+def keep_torch_out() -> None:
+    """The router computes nothing, so torch stays out of its process (a few hundred MB and seconds
+    of import each start). transformers imports torch whenever it is installed, for models the
+    router never builds; None in sys.modules is Python's own "not importable" (find_spec answers
+    None), so transformers loads the tokenizer alone, and an import of torch here fails at once.
+    Grammar compiles, which need torch through xgrammar, run in a child (guided/compile_process.py)."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")   # "PyTorch was not found"
+
+
 def run(config: Config) -> int:
     """Serve until SIGTERM/SIGINT (uvicorn handles both and drains); returns the exit code."""
+    keep_torch_out()
     import uvicorn
 
     from pagedserve.services.model_dir import ModelLoadError
