@@ -32,7 +32,7 @@ import itertools
 import operator
 from collections import Counter, deque
 from dataclasses import dataclass, field, fields
-from typing import Callable
+from typing import Callable, KeysView
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.sampling_params import SamplingParams
@@ -184,6 +184,12 @@ class Scheduler:
             seq.finish_reason = "abort"
         self._finish(req, "abort")
         return True
+
+    @property
+    def live_request_ids(self) -> KeysView[str]:
+        """The ids of the requests this core still holds (unfinished, or finished and not popped
+        yet): a live, read-only view, cheap to take every step."""
+        return self.requests.keys()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
