@@ -26,9 +26,9 @@ _STEP_VARYING = ["table_s0", "q_blocks_per_seq", "num_splits"]
 
 
 # Set for the whole process before this module is imported (the @triton.jit decorators read it).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-if _INTERPRETED:
+if INTERPRETED:
     @triton.jit
     def _mma(a, b, DOT_PRECISION: tl.constexpr):
         """tl.dot, for the interpreter: its tl.dot multiplies bf16 operands as their raw 16-bit
@@ -112,7 +112,7 @@ def _attend_span(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_lo, f
 
 
 @triton.jit(do_not_specialize=_STEP_VARYING[:2])
-def _paged_attention_kernel(
+def paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         scale_log2,
         q_s0, q_s1, out_s0, out_s1, cache_s0, cache_s1, cache_s2, table_s0,
@@ -170,7 +170,7 @@ def _paged_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["table_s0", "num_splits"])
-def _paged_decode_kernel(
+def paged_decode_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         seq_lens_ptr, scale_log2,
         q_s0, q_s1, out_s0, out_s1, cache_s0, cache_s1, cache_s2, table_s0, num_splits,
@@ -179,7 +179,7 @@ def _paged_decode_kernel(
     # Program (sequence s, kv head h, split p): the GROUP query heads of h (padded to BLOCK_G >= 16
     # rows, the smallest tl.dot tile) read each K/V tile once. With num_splits == 1 the program
     # walks the whole context and writes the output; otherwise (flash-decoding) it walks its share
-    # of the context's tiles and writes its partial (m, l, acc) for _decode_reduce_kernel.
+    # of the context's tiles and writes its partial (m, l, acc) for decode_reduce_kernel.
     # The shares come from seq_lens on the device (tiles of a sequence split evenly), never from
     # the host, so the launch is the same for any lengths: what a CUDA graph needs.
     seq = tl.program_id(0).to(tl.int64)
@@ -224,8 +224,8 @@ def _paged_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, out_s0, out_s1, num_q_heads,
-                          num_splits, MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, out_s0, out_s1, num_q_heads,
+                         num_splits, MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     # Program (sequence s, query head h): merges the num_splits partials of that row. With M the
     # largest partial max, out = sum(acc_p * 2^(m_p - M)) / sum(l_p * 2^(m_p - M)); zeros when no
     # split saw a key (seq_len == 0).

@@ -13,11 +13,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     key_s0, key_s1, value_s0, value_s1,
-                     cache_s0, cache_s1, cache_s2,
-                     num_kv_heads, BLOCK_SIZE: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    key_s0, key_s1, value_s0, value_s1,
+                    cache_s0, cache_s1, cache_s2,
+                    num_kv_heads, BLOCK_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
     # One program per token: its [Hkv, D] key and value go to one slot.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -37,8 +37,8 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
-def _copy_blocks_kernel(pool_ptr, src_ptr, dst_ptr, row_stride, row_elems,
-                        CHUNK: tl.constexpr):
+def copy_blocks_kernel(pool_ptr, src_ptr, dst_ptr, row_stride, row_elems,
+                       CHUNK: tl.constexpr):
     # Program (pair i, chunk c) copies CHUNK elements of row src[i] into row dst[i].
     pair = tl.program_id(0)
     chunk = tl.program_id(1)

@@ -17,24 +17,24 @@ import triton
 from pagedserve.kernels.limits import check_attention_shape
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # tl.dot on fp32 defaults to tf32 on GPUs (10-bit mantissa); fp32 callers expect fp32 results.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("caches must be [num_blocks, B, Hkv, D] with a unit stride on D")
     if k_cache.stride()[1:] != v_cache.stride()[1:] or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must share shape and inner strides")
 
 
-def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    _check_cache(k_cache, v_cache)
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    check_cache(k_cache, v_cache)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     check_attention_shape(k_cache.shape[3], num_q_heads, num_kv_heads)
     if q.shape[2] != k_cache.shape[3] or q.stride(2) != 1:
@@ -46,7 +46,7 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # Tiles
 # --------------------------------------------------------------------------------------------
 
-def _kv_tile(head_dim: int) -> int:
+def kv_tile(head_dim: int) -> int:
     """Keys per loop iteration of the decode kernel and of the small prefill tile. Independent of
     the cache's block size (each key finds its own block through the table), so a big block never
     means a big tile: a tile of 256 keys at head_dim 128 needs more shared memory than a GPU has.
@@ -59,7 +59,7 @@ def _kv_tile(head_dim: int) -> int:
 SMALL_TILE_ROWS = 16
 
 
-def _prefill_tile(head_dim: int, group: int, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
+def prefill_tile(head_dim: int, group: int, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps) of the ragged prefill kernel.
 
     The big tile is FlashAttention-2's: 128 query rows against 64-key tiles, so each K/V tile read
@@ -72,10 +72,10 @@ def _prefill_tile(head_dim: int, group: int, num_tokens: int, num_seqs: int) -> 
     would compute mostly padding. Two variants only (each a compile); the rule reads host ints the
     caller already has (q.shape[0], seq_lens.shape[0]), never a tensor's values."""
     big_rows = 128 if head_dim <= 128 else 64
-    small_rows = max(SMALL_TILE_ROWS, _next_pow2(group))
+    small_rows = max(SMALL_TILE_ROWS, next_pow2(group))
     if num_tokens * group >= num_seqs * big_rows and big_rows > small_rows:
         return big_rows, (64 if head_dim <= 128 else 32), (4 if head_dim <= 64 else 8)
-    return small_rows, _kv_tile(head_dim), 4
+    return small_rows, kv_tile(head_dim), 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,14 +127,14 @@ def decode_splits(num_seqs: int, num_kv_heads: int, table_width: int, block_size
 _DECODE_PLANS: dict[tuple, tuple] = {}
 
 
-def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table_width: int,
-                 num_splits: int | None) -> tuple:
+def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table_width: int,
+                num_splits: int | None) -> tuple:
     key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
            v_cache.shape, v_cache.stride(), table_width, num_splits)
     plan = _DECODE_PLANS.get(key)
     if plan is not None:
         return plan
-    group = _check_attention_args(q, k_cache, v_cache)
+    group = check_attention_args(q, k_cache, v_cache)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_splits is None:
@@ -144,8 +144,8 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out_stride = (num_q_heads * head_dim, head_dim)  # out is made contiguous
     strides = (q.stride(0), q.stride(1), out_stride[0], out_stride[1],
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table_width)
-    meta = dict(GROUP=group, BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=_kv_tile(head_dim),
-                BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
+    meta = dict(GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=kv_tile(head_dim),
+                BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype),
                 num_warps=4, num_stages=2)
     reduce_meta = dict(MAX_SPLITS=MAX_SPLITS, HEAD_DIM=head_dim,
                        num_warps=4 if head_dim >= 128 else 2)
@@ -167,5 +167,5 @@ def describe_launch(kind: str, num_tokens: int, num_seqs: int, num_q_heads: int,
     if kind == "decode":
         n = decode_splits(num_seqs, num_kv_heads, table_width, block_size, device)
         return "decode" if n == 1 else f"split{n}"
-    rows, keys, _ = _prefill_tile(head_dim, group, num_tokens, num_seqs)
+    rows, keys, _ = prefill_tile(head_dim, group, num_tokens, num_seqs)
     return f"tile{rows}x{keys}"

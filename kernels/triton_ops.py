@@ -30,18 +30,17 @@ from pagedserve.kernels.limits import check_attention_shape
 # @triton.jit chose interpreted or compiled when the kernel modules were first imported. If that was
 # before TRITON_INTERPRET was set (tests/test_kernels.py reloads this module to recover from it),
 # decorate them again now, so that this module's kernels always follow the current setting.
-if triton_attention_kernels._INTERPRETED != (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+if triton_attention_kernels.INTERPRETED != (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
     importlib.reload(triton_attention_kernels)
     importlib.reload(triton_cache_kernels)
 
 # Looked up in this module's namespace at each launch (tests put fakes here).
 from pagedserve.kernels.triton_attention_kernels import (  # noqa: E402
-    _decode_reduce_kernel, _paged_attention_kernel, _paged_decode_kernel)
-from pagedserve.kernels.triton_cache_kernels import _copy_blocks_kernel, _write_kv_kernel  # noqa: E402
+    decode_reduce_kernel, paged_attention_kernel, paged_decode_kernel)
+from pagedserve.kernels.triton_cache_kernels import copy_blocks_kernel, write_kv_kernel  # noqa: E402
 from pagedserve.kernels.triton_launch import (  # noqa: E402,F401  (re-exported: the launch rules)
-    MAX_SPLITS, MIN_SPLIT_KEYS, SMALL_TILE_ROWS, WAVES, _check_attention_args, _check_cache,
-    _decode_plan, _dot_precision, _kv_tile, _next_pow2, _prefill_tile, decode_splits,
-    describe_launch)
+    MAX_SPLITS, MIN_SPLIT_KEYS, SMALL_TILE_ROWS, WAVES, check_attention_args, check_cache,
+    decode_plan, decode_splits, describe_launch, dot_precision, kv_tile, next_pow2, prefill_tile)
 
 _LOG2E = 1.4426950408889634
 
@@ -53,7 +52,7 @@ _LOG2E = 1.4426950408889634
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key, value: [T, Hkv, D]; caches [N, B, Hkv, D]; slot_mapping: [T] int64, < 0 skipped."""
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -62,12 +61,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     check_attention_shape(head_dim, num_kv_heads, num_kv_heads)
     slots = slot_mapping.to(dtype=torch.int64).contiguous()
     with on_device(k_cache):
-        _write_kv_kernel[(num_tokens,)](
+        write_kv_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, slots,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-            BLOCK_H=_next_pow2(num_kv_heads), num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
+            BLOCK_H=next_pow2(num_kv_heads), num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,10 +94,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     shapes (see decode_splits), never on the values in seq_lens: safe to capture in a graph."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
-        _check_attention_args(q, k_cache, v_cache)
+        check_attention_args(q, k_cache, v_cache)
         return out
     block_tables = block_tables.contiguous()
-    grid, reduce_grid, num_splits, strides, out_stride, meta, reduce_meta = _decode_plan(
+    grid, reduce_grid, num_splits, strides, out_stride, meta, reduce_meta = decode_plan(
         q, k_cache, v_cache, block_tables.shape[1], num_splits)
     if num_splits == 1:  # not written (the kernel stores the output), but float32 like the
         part_acc = part_ml = _placeholder(q.device)  # real ones: one compile serves both paths
@@ -107,11 +106,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                device=q.device)
         part_ml = torch.empty((*reduce_grid, num_splits, 2), dtype=torch.float32, device=q.device)
     with on_device(out):
-        _paged_decode_kernel[grid](
+        paged_decode_kernel[grid](
             out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens.contiguous(),
             scale * _LOG2E, *strides, num_splits, **meta)
         if num_splits > 1:
-            _decode_reduce_kernel[reduce_grid](
+            decode_reduce_kernel[reduce_grid](
                 out, part_acc, part_ml, *out_stride, reduce_grid[1], num_splits, **reduce_meta)
     return out
 
@@ -123,9 +122,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Ragged causal attention over the paged cache. q: [T, Hq, D] -> [T, Hq, D].
 
     A batch of pure decode (one query per sequence) goes to the decode kernel, which needs no idle
-    query-tile programs; anything else runs the general kernel with the tile _prefill_tile picks.
+    query-tile programs; anything else runs the general kernel with the tile prefill_tile picks.
     """
-    group = _check_attention_args(q, k_cache, v_cache)
+    group = check_attention_args(q, k_cache, v_cache)
     num_tokens, _, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
@@ -136,19 +135,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size = k_cache.shape[1]
     # Rows of a program = query tokens x the GQA group (a group that does not divide the rows
     # leaves the last rows idle).
-    block_m, block_n, num_warps = _prefill_tile(head_dim, group, num_tokens, num_seqs)
+    block_m, block_n, num_warps = prefill_tile(head_dim, group, num_tokens, num_seqs)
     block_q = block_m // group
     q_blocks_per_seq = triton.cdiv(max_query_len, block_q)
     block_tables = block_tables.contiguous()
     with on_device(out):
-        _paged_attention_kernel[(num_seqs * q_blocks_per_seq, k_cache.shape[2])](
+        paged_attention_kernel[(num_seqs * q_blocks_per_seq, k_cache.shape[2])](
             out, q, k_cache, v_cache, block_tables, seq_lens.contiguous(),
             query_start_loc.contiguous(), scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             q.shape[1], q_blocks_per_seq,
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype),
             num_warps=num_warps, num_stages=2)
     return out
 
@@ -163,7 +162,7 @@ def warm_up_attention(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_k
     Strides keep the divisibility of the server's (multiples of 16 at any head_dim allowed), so the
     compiled variants are the ones later calls find."""
     group = num_q_heads // num_kv_heads
-    big_rows = _prefill_tile(head_dim, group, 1 << 20, 1)[0]
+    big_rows = prefill_tile(head_dim, group, 1 << 20, 1)[0]
     tokens = max(2, triton.cdiv(big_rows, group))  # one sequence that fills one big tile
     num_blocks = triton.cdiv(tokens, block_size)
     with on_device(torch.device(device)):
@@ -197,9 +196,9 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
     if rows.element_size() < 4 and (rows.shape[1] * rows.element_size()) % 4 == 0 \
             and (rows.stride(0) * rows.element_size()) % 4 == 0 and rows.data_ptr() % 4 == 0:
         rows = rows.view(torch.int32)
-    chunk = min(4096, _next_pow2(rows.shape[1]))
+    chunk = min(4096, next_pow2(rows.shape[1]))
     with on_device(pool):   # the pool's device, not the current one (the kvstore holds one per rank)
         src = src.to(device=pool.device, dtype=torch.int64).contiguous()
         dst = dst.to(device=pool.device, dtype=torch.int64).contiguous()
-        _copy_blocks_kernel[(src.numel(), triton.cdiv(rows.shape[1], chunk))](
+        copy_blocks_kernel[(src.numel(), triton.cdiv(rows.shape[1], chunk))](
             rows, src, dst, rows.stride(0), rows.shape[1], CHUNK=chunk, num_warps=4)

@@ -18,7 +18,7 @@ takes a first-fit run of the free map, and a policy that never swaps or caches p
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -119,6 +119,13 @@ class BlockAllocator:
 
     def refcount(self, block: int) -> int:
         return self._refcounts[block]
+
+    @property
+    def refcounts(self) -> Sequence[int]:
+        """Every block's refcount, indexed by block id: a live, read-only view (the allocator's own
+        list, never replaced, restore() included), for hot loops that index it per block where a
+        refcount() call per block would cost. Readers must not write to it."""
+        return self._refcounts
 
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
@@ -222,7 +229,7 @@ class BlockAllocator:
         if len(free) != len(clean) + len(evictable) or free != {b for b, r in enumerate(refcounts) if r == 0} \
                 or min(refcounts, default=0) < 0:
             raise ValueError("a snapshot whose free lists are not exactly its blocks at refcount 0")
-        self._refcounts = [int(r) for r in refcounts]
+        self._refcounts[:] = [int(r) for r in refcounts]   # in place: refcounts stays a live view
         self._clean = deque(clean)
         self._evictable = OrderedDict.fromkeys(evictable)
         self._free_map = bytearray(_FREE[0] if r == 0 else _USED[0] for r in self._refcounts)

@@ -18,7 +18,8 @@ diverged from the mirror: ReplicaDiverged, with the results of the ops applied b
 """
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable, NamedTuple
 
 from pagedserve.kvstore.block_table import DEVICE, HOST
 from pagedserve.kvstore.store import AllocResult, AppendResult, BatchAppendResult, BlockStore, SwapResult, wire_keys
@@ -66,10 +67,95 @@ def encode_result(r: Any) -> Any:
 
 # ---- recording on the mirror -------------------------------------------------------------------
 
+class _Recorded(NamedTuple):
+    """How one mutating BlockStore method is logged.
+
+    when: the calls that may have changed the store, by their result r ("ok": r.ok; "result": r
+    is true; "always"); the others are left out of the log.
+    wire(store, r, *the method's arguments): the op's wire arguments [*args], read after the call
+    (from the store's own state where that is cheaper), or None for a call that changed nothing
+    all the same (an empty batch): left out too.
+    args(*the method's arguments), where given: the arguments as both the store and wire take them
+    (a one-shot iterable of ids becomes one list of ints).
+    The logged result is always encode_result(r), what apply_ops answers on the replica."""
+    when: str
+    wire: Callable[..., list | None]
+    args: Callable[..., tuple] | None = None
+
+
+def _ids(seq_ids) -> tuple:
+    return ([int(s) for s in seq_ids],)
+
+
+# Every recorded op, stated once. Its callables take the BlockStore method's parameters, in order
+# and by the same names (_recording holds them to it), every one passed, defaults filled in.
+_RECORDED: dict[str, _Recorded] = {
+    "allocate": _Recorded("ok", lambda store, r, seq_id, token_ids, extra_keys, max_total_tokens: [
+        int(seq_id), [int(t) for t in token_ids], wire_keys(extra_keys), max_total_tokens]),
+    # The store's own copy of the new tokens: already plain ints, and a slice is cheaper than
+    # converting them again.
+    "append_slots": _Recorded("ok", lambda store, r, seq_id, token_ids: [
+        int(seq_id), store.last_token_ids(seq_id, len(token_ids))] if len(token_ids) else None),
+    "append_tokens": _Recorded("ok", lambda store, r, seq_ids, token_ids: [
+        list(seq_ids), list(map(int, token_ids))] if seq_ids else None),
+    "set_tokens": _Recorded("always", lambda store, r, seq_ids, positions, token_ids: [
+        list(seq_ids), list(positions), list(map(int, token_ids))] if seq_ids else None),
+    # r: whether a block was keyed (most calls in decode key none: nothing to replay).
+    "mark_computed": _Recorded("result", lambda store, r, seq_id, num_computed_tokens: [
+        int(seq_id), int(num_computed_tokens)]),
+    "fork": _Recorded("always", lambda store, r, parent_id, child_id: [int(parent_id), int(child_id)]),
+    "free": _Recorded("always", lambda store, r, seq_id: [int(seq_id)]),
+    "swap_out": _Recorded("ok", lambda store, r, seq_ids: [seq_ids], args=_ids),
+    "swap_in": _Recorded("ok", lambda store, r, seq_ids: [seq_ids], args=_ids),
+}
+assert set(_RECORDED) == set(OPS), "every op is recorded, and only the ops"
+
+_WHEN = {"ok": "r.ok", "result": "r", "always": "True"}
+
+# One template for every recorded method. It is compiled per op with the store method's own
+# parameter list, not written as a (self, *args, **kwargs) wrapper: on CPython 3.11 forwarding
+# *args/**kwargs costs ~250 ns more per call, and mark_computed runs for every sequence every step.
+_METHOD = """
+def {name}(self, {params}):
+    {prepare}r = base(self, {args})
+    if {when}:
+        op = wire(self, r, {args})
+        if op is not None:
+            self._ops.append([{name!r}, *op])
+            self._results.append(encode_result(r))
+    return r
+"""
+
+
+def _recording(name: str, rec: _Recorded):
+    """The RecordingStore method for op `name`: BlockStore's, then its op and result logged."""
+    base = getattr(BlockStore, name)
+    params = list(inspect.signature(base).parameters.values())[1:]
+    names = [p.name for p in params]
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        raise TypeError(f"BlockStore.{name}: only plain parameters can be recorded")
+    for fn, skip in ((rec.wire, 2), (rec.args, 0)):   # wire's first two: the store, the result
+        if fn is not None and list(inspect.signature(fn).parameters)[skip:] != names:
+            raise TypeError(f"{name}: its recording does not take BlockStore.{name}'s {names}")
+    args = ", ".join(names)
+    defaults = {f"_default_{p.name}": p.default for p in params if p.default is not p.empty}
+    src = _METHOD.format(
+        name=name, args=args, when=_WHEN[rec.when],
+        params=", ".join(p.name if p.default is p.empty else f"{p.name}=_default_{p.name}" for p in params),
+        prepare="" if rec.args is None else f"{args}, = prepare({args})\n    ")
+    scope = dict(defaults, base=base, wire=rec.wire, prepare=rec.args, encode_result=encode_result)
+    exec(compile(src, f"<RecordingStore.{name}>", "exec"), scope)
+    method = scope[name]
+    method.__qualname__, method.__doc__, method.__module__ = f"RecordingStore.{name}", base.__doc__, __name__
+    method.__wrapped__ = base   # inspect.signature and help() show the store's annotated signature
+    return method
+
+
 class RecordingStore(BlockStore):
     """A BlockStore that also logs its state changes: the scheduler's mirror. It is the store
     itself (a subclass), so every read and property is the store's own, at the store's cost; only
-    the mutating operations are wrapped, each to write its own op in the log's wire form."""
+    the mutating operations (OPS) are wrapped, each by _recording from its _RECORDED entry, to write
+    its op in the log's wire form."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -82,76 +168,16 @@ class RecordingStore(BlockStore):
         self._ops, self._results = [], []
         return ops, results
 
-    # ---- mutations ---------------------------------------------------------------------------
-
     def restore(self, snapshot: dict) -> None:
         """Take the replica's state (BlockStore.restore): nothing to record, the replica has it
         already, and what was recorded before it no longer applies."""
         super().restore(snapshot)
         self._ops, self._results = [], []
 
-    def allocate(self, seq_id: int, token_ids, extra_keys: tuple = (),
-                 max_total_tokens: int | None = None) -> AllocResult:
-        r = super().allocate(seq_id, token_ids, extra_keys, max_total_tokens)
-        if r.ok:
-            self._ops.append(["allocate", int(seq_id), [int(t) for t in token_ids],
-                              wire_keys(extra_keys), max_total_tokens])
-            self._results.append([True, r.num_cached_tokens])
-        return r
 
-    def append_slots(self, seq_id: int, token_ids) -> AppendResult:
-        r = super().append_slots(seq_id, token_ids)
-        n = len(token_ids)
-        if r.ok and n:
-            # The store's own copy of the new tokens: already plain ints, and a slice is cheaper
-            # than converting them again.
-            self._ops.append(["append_slots", int(seq_id), self.last_token_ids(seq_id, n)])
-            self._results.append(encode_result(r))
-        return r
-
-    def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> BatchAppendResult:
-        r = super().append_tokens(seq_ids, token_ids)
-        if r.ok and seq_ids:
-            self._ops.append(["append_tokens", list(seq_ids), list(map(int, token_ids))])
-            self._results.append(encode_result(r))
-        return r
-
-    def set_tokens(self, seq_ids: list[int], positions: list[int], token_ids: list[int]) -> None:
-        super().set_tokens(seq_ids, positions, token_ids)
-        if seq_ids:
-            self._ops.append(["set_tokens", list(seq_ids), list(positions), list(map(int, token_ids))])
-            self._results.append(None)
-
-    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> bool:
-        keyed = super().mark_computed(seq_id, num_computed_tokens)  # raises on a bad seq or range
-        if keyed:
-            self._ops.append(["mark_computed", int(seq_id), int(num_computed_tokens)])
-            self._results.append(None)
-        return keyed
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        super().fork(parent_id, child_id)
-        self._ops.append(["fork", int(parent_id), int(child_id)])
-        self._results.append(None)
-
-    def free(self, seq_id: int) -> None:
-        super().free(seq_id)
-        self._ops.append(["free", int(seq_id)])
-        self._results.append(None)
-
-    def swap_out(self, seq_ids) -> SwapResult:
-        ids = [int(s) for s in seq_ids]
-        return self._logged("swap_out", ids, super().swap_out(ids))
-
-    def swap_in(self, seq_ids) -> SwapResult:
-        ids = [int(s) for s in seq_ids]
-        return self._logged("swap_in", ids, super().swap_in(ids))
-
-    def _logged(self, op: str, ids: list[int], r: SwapResult) -> SwapResult:
-        if r.ok:
-            self._ops.append([op, ids])
-            self._results.append(encode_result(r))
-        return r
+for _name, _rec in _RECORDED.items():
+    setattr(RecordingStore, _name, _recording(_name, _rec))
+del _name, _rec
 
 
 # ---- replay on the kvstore ---------------------------------------------------------------------

@@ -156,7 +156,7 @@ class BlockStore(StoreState):
             return 0
         # Called for every running request every step: plain loops, no Counter unless a written
         # block is actually shared (rare outside forks and beams).
-        refcounts, bs = self._alloc(location)._refcounts, self.block_size
+        refcounts, bs = self._alloc(location).refcounts, self.block_size
         writers: Counter[int] | None = None
         new = 0
         if num_new_tokens == 1:   # a decode step: one block to look at per table
@@ -198,7 +198,7 @@ class BlockStore(StoreState):
             return AppendResult(True)
         n, bs = len(t.token_ids), self.block_size   # blocks [lo, hi) receive the new tokens
         lo, hi = n // bs, (n + len(token_ids) - 1) // bs + 1
-        blocks, refcounts = t.blocks, self._device._refcounts
+        blocks, refcounts = t.blocks, self._device.refcounts
         cow = [i for i in range(lo, min(hi, len(blocks))) if refcounts[blocks[i]] > 1]
         new = hi - len(blocks) if hi > len(blocks) else 0
         if not cow and not new:   # the decode common case: the token lands in a block it owns

@@ -48,8 +48,8 @@ def stats(seqs: dict[int, SequenceTable], device: BlockAllocator, host: BlockAll
     return out
 
 
-def kv_usage(tables: Iterable[SequenceTable], device: BlockAllocator, device_refcounts: list[int],
-             block_size: int, policy: AllocationPolicy, waiting_tokens: int | None,
+def kv_usage(tables: Iterable[SequenceTable], device: BlockAllocator, block_size: int,
+             policy: AllocationPolicy, waiting_tokens: int | None,
              waiting_final: int | None) -> dict[str, int]:
     """The device pool's token slots split as the paper's Fig. 2 (they sum to the pool):
     token_states (slots holding a token), reserved (empty slots below the sequence's final
@@ -59,11 +59,11 @@ def kv_usage(tables: Iterable[SequenceTable], device: BlockAllocator, device_ref
     any), free (the rest). waiting_*: the head of the scheduler's waiting queue, if any.
     A block shared by several tables counts once, as the most filled of them sees it; the
     extra key table_slots counts it once per table (what the tables would hold unshared).
-    (device_refcounts: the device allocator's refcount list, indexed in C below.)"""
+    (device.refcounts is indexed in C below.)"""
     bs = block_size
     filled = reserved = table_blocks = 0
     shared: dict[int, tuple[int, int]] = {}
-    refcount_of = device_refcounts.__getitem__
+    refcount_of = device.refcounts.__getitem__
     for t in tables:
         if t.location != DEVICE:
             continue

@@ -168,8 +168,8 @@ class StoreState:
 
     def kv_usage(self, waiting_tokens: int | None = None, waiting_final: int | None = None) -> dict[str, int]:
         """The device pool's token slots split as the paper's Fig. 2 (store_report.kv_usage says how)."""
-        return store_report.kv_usage(self._seqs.values(), self._device, self._device._refcounts, self.block_size,
-                                     self.policy, waiting_tokens, waiting_final)
+        return store_report.kv_usage(self._seqs.values(), self._device, self.block_size, self.policy,
+                                     waiting_tokens, waiting_final)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent. O(total blocks): for tests."""

@@ -114,7 +114,7 @@ def run_batch(num_seqs: int, steps: int, prompt_len: int, endpoint: str, profile
             ops, expected = mirror.drain()
             client.send_apply(step_no, ops)
             sent = time.perf_counter()
-            protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.requests.keys()))
+            protocol.encode(view.execute_step(step_no, scheduled, mirror, sched.live_request_ids))
             built = time.perf_counter()
             # The worker's side, not timed: a token for every wanted sample, as StepResult frames.
             frames = protocol.encode(protocol.StepResult(step_no, [

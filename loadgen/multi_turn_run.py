@@ -22,8 +22,8 @@ from pagedserve.loadgen.client import RequestRecord, Target, new_session, send
 from pagedserve.loadgen.config import MultiTurnConfig
 from pagedserve.loadgen.multi_turn import (Conversation, ScriptOptions, build_script, system_prompt,
                                            turn_messages)
-from pagedserve.loadgen.replay import (Progress, ReplayError, Server, _finish, discover, long_run_line,
-                                       stop_on_signals)
+from pagedserve.loadgen.replay import (Progress, ReplayError, Server, discover, drain_or_cancel,
+                                       long_run_line, stop_on_signals)
 from pagedserve.loadgen.scrape import Scraper
 from pagedserve.loadgen.workload import PlannedRequest
 
@@ -138,7 +138,7 @@ async def _run(session, cfg: MultiTurnConfig, server: Server, script: list[Conve
     try:
         scraping = asyncio.create_task(scraper.run(stop))
         users = [asyncio.create_task(user(conv)) for conv in script]
-        await _finish(users, stop, hurry, cfg.grace)
+        await drain_or_cancel(users, stop, hurry, cfg.grace)
         interrupted = stop.is_set()
         stop.set()
         await scraping

@@ -205,7 +205,7 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
     try:
         if plan.warmup:
             warm = [asyncio.create_task(one(r, time.perf_counter())) for r in plan.warmup]
-            await _finish(warm, stop, hurry, cfg.grace)
+            await drain_or_cancel(warm, stop, hurry, cfg.grace)
             failed = sum(t.cancelled() or not t.result().ok for t in warm)
             if failed:
                 notes.append(f"{failed} of {len(warm)} warm-up requests failed")
@@ -227,7 +227,7 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
             tasks.append(asyncio.create_task(one(req, t0)))
             sent.append(req)
             progress.sent()
-        await _finish(tasks, stop, hurry, cfg.grace)
+        await drain_or_cancel(tasks, stop, hurry, cfg.grace)
         interrupted = stop.is_set()
         stop.set()
         await scraping
@@ -252,8 +252,10 @@ async def _run(session, cfg: ReplayConfig, server: Server, plan: Plan, target: T
                      scraper.available, plan.notes + notes)
 
 
-async def _finish(tasks: list[asyncio.Task], stop: asyncio.Event, hurry: asyncio.Event, grace: float) -> None:
-    """Wait for every request; after a stop, only `grace` more seconds (none after a second signal)."""
+async def drain_or_cancel(tasks: list[asyncio.Task], stop: asyncio.Event, hurry: asyncio.Event,
+                          grace: float) -> None:
+    """Wait for every task; after a stop, only `grace` more seconds (none after a second signal),
+    then cancel the ones still running and wait for them to end."""
     pending = {t for t in tasks if not t.done()}
     deadline = None
     while pending and not hurry.is_set():

@@ -103,10 +103,9 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
     store = RecordingStore(num_blocks, host_blocks, bs, enable_prefix_caching=cfg.prefix_caching,
                                       policy=make_policy(cfg.allocation, max_len))
     now = [0.0]
-    sched = Scheduler(scheduler_config or SchedulerConfig(
-        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
-        preemption_mode=cfg.preemption_mode, batching=cfg.batching, kv_usage_interval_s=0.0),
-        store, clock=lambda: now[0])
+    # kv_usage_interval_s=0: the KV split is sampled at every step (of the virtual clock).
+    sched = Scheduler(scheduler_config or SchedulerConfig.of(cfg, max_model_len=max_len, kv_usage_interval_s=0.0),
+                      store, clock=lambda: now[0])
     cost = CostModel(preset)
     requests = plan.requests
     records = {r.index: RequestRecord(r.index, r.arrival, r.input_len, r.output_len, r.prefix_blocks, send=r.arrival)

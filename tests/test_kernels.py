@@ -53,7 +53,7 @@ def triton_ops():
             if isinstance(fn, JITFunction):
                 replaced.append((module, name, fn))
                 setattr(module, name, InterpretedFunction(fn.fn))
-    if not isinstance(triton_module._paged_decode_kernel, InterpretedFunction):
+    if not isinstance(triton_module.paged_decode_kernel, InterpretedFunction):
         triton_module = importlib.reload(triton_module)
     yield triton_module
     for module, name, fn in replaced:
@@ -378,7 +378,7 @@ def test_triton_kv_tiles_smaller_than_a_block(triton_ops, block_size, head_dim):
     # The KV tile is chosen by head_dim alone: several tiles per cache block, a tile that ends
     # inside a block, and (256, 128) which used to mean a 256-key tile that no GPU's shared
     # memory holds.
-    assert triton_ops._kv_tile(head_dim) < block_size
+    assert triton_ops.kv_tile(head_dim) < block_size
     case = PagedCase(seq_lens=[block_size + 37, 5], q_lens=[3, 1], block_size=block_size,
                      num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32, seed=11,
                      spare_blocks=1)
@@ -418,7 +418,7 @@ def test_triton_long_prefill_big_query_tiles(triton_ops, group, dtype, prefix):
     # big query tiles, the last one partial, whole K/V tiles before the diagonal and a diagonal
     # that straddles K/V tiles.
     case = gqa_case([270 + prefix], [270], group, dtype, seed=group + prefix)
-    rows, keys, _ = triton_ops._prefill_tile(16, group, 270, 1)
+    rows, keys, _ = triton_ops.prefill_tile(16, group, 270, 1)
     assert rows == 128 and 270 // (rows // group) >= 2   # the big tile, several of them
     out = case.paged("triton")
     assert_triton_close(out, case.paged("reference"), dtype)
@@ -431,9 +431,9 @@ def test_triton_ragged_mixed_batch_both_tiles(triton_ops, group, dtype):
     # A prompt-heavy batch (big tiles; decode rows and a chunk inside it) and a decode-heavy one
     # (small tiles), each with a prefix-cache hit shared between tables.
     big = gqa_case([350, 9, 60], [330, 1, 60], group, dtype, seed=group, shared_blocks=2)
-    assert triton_ops._prefill_tile(16, group, 391, 3)[0] == 128
+    assert triton_ops.prefill_tile(16, group, 391, 3)[0] == 128
     small = gqa_case([70, 33, 9, 50, 66], [1, 1, 1, 20, 1], group, dtype, seed=group + 10)
-    assert triton_ops._prefill_tile(16, group, 24, 5)[0] == max(16, group)
+    assert triton_ops.prefill_tile(16, group, 24, 5)[0] == max(16, group)
     for case in (big, small):
         out = case.paged("triton")
         assert_triton_close(out, case.paged("reference"), dtype)
@@ -446,11 +446,11 @@ def test_triton_big_tile_wide_heads_and_uneven_group(triton_ops):
     # every tile idle (128 // 3 = 42 tokens, 126 rows).
     wide = PagedCase(seq_lens=[90], q_lens=[70], block_size=16, num_q_heads=4, num_kv_heads=2,
                      head_dim=256, dtype=torch.float32, seed=21)
-    assert triton_ops._prefill_tile(256, 2, 70, 1)[:2] == (64, 32)
+    assert triton_ops.prefill_tile(256, 2, 70, 1)[:2] == (64, 32)
     assert_triton_close(wide.paged("triton"), wide.contiguous(), torch.float32)
     uneven = PagedCase(seq_lens=[130, 20], q_lens=[100, 20], block_size=8, num_q_heads=6,
                        num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=22)
-    assert triton_ops._prefill_tile(16, 3, 120, 2)[0] == 128
+    assert triton_ops.prefill_tile(16, 3, 120, 2)[0] == 128
     assert_triton_close(uneven.paged("triton"), uneven.contiguous(), torch.float32)
 
 
@@ -540,15 +540,15 @@ def test_triton_warm_up_launches_every_attention_variant(triton_ops, monkeypatch
             return lambda *args, **kw: launches.append(
                 (self.name, kw.get("BLOCK_M"), grid[2] > 1 if len(grid) == 3 else None))
 
-    for name in ("_paged_attention_kernel", "_paged_decode_kernel", "_decode_reduce_kernel"):
+    for name in ("paged_attention_kernel", "paged_decode_kernel", "decode_reduce_kernel"):
         monkeypatch.setattr(triton_ops, name, Kernel(name))
     triton_ops.warm_up_attention(torch.float16, head_dim, num_q_heads, num_kv_heads, 16, DEVICE)
     group = num_q_heads // num_kv_heads
-    small, big = triton_ops._prefill_tile(head_dim, group, 1, 1)[0], 128 if head_dim <= 128 else 64
+    small, big = triton_ops.prefill_tile(head_dim, group, 1, 1)[0], 128 if head_dim <= 128 else 64
     assert sorted(launches, key=str) == sorted([
-        ("_paged_attention_kernel", small, None), ("_paged_attention_kernel", big, None),
-        ("_paged_decode_kernel", None, False), ("_paged_decode_kernel", None, True),
-        ("_decode_reduce_kernel", None, None)], key=str)
+        ("paged_attention_kernel", small, None), ("paged_attention_kernel", big, None),
+        ("paged_decode_kernel", None, False), ("paged_decode_kernel", None, True),
+        ("decode_reduce_kernel", None, None)], key=str)
     monkeypatch.undo()   # and the real kernels run it (interpreted), tiny as it is
     triton_ops.warm_up_attention(torch.float32, 16, 4, 2, 8, DEVICE)
 
@@ -574,8 +574,8 @@ def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypat
             return lambda *args, **kw: launches.append((self.name, inside[-1] if inside else None))
 
     monkeypatch.setattr(triton_ops, "on_device", guard)
-    for name in ("_write_kv_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
-                 "_decode_reduce_kernel", "_copy_blocks_kernel"):
+    for name in ("write_kv_kernel", "paged_attention_kernel", "paged_decode_kernel",
+                 "decode_reduce_kernel", "copy_blocks_kernel"):
         monkeypatch.setattr(triton_ops, name, Kernel(name))
     case = PagedCase(seq_lens=[5, 9], q_lens=[5, 1], block_size=8, num_q_heads=2, num_kv_heads=2,
                      head_dim=16, dtype=torch.float32)
@@ -589,8 +589,8 @@ def test_every_triton_launch_runs_under_its_tensors_device(triton_ops, monkeypat
                                       case.seq_lens_t, case.scale, num_splits=2)
     triton_ops.copy_blocks(case.pool, torch.tensor([0]), torch.tensor([1]))
     assert [name for name, _ in launches] == [
-        "_write_kv_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
-        "_paged_decode_kernel", "_decode_reduce_kernel", "_copy_blocks_kernel"]
+        "write_kv_kernel", "paged_attention_kernel", "paged_decode_kernel",
+        "paged_decode_kernel", "decode_reduce_kernel", "copy_blocks_kernel"]
     # the decode outputs are made inside the calls
     written = [case.k_cache, out, None, None, None, case.pool]
     for (name, tensor), expected in zip(launches, written):

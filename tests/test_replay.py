@@ -234,7 +234,7 @@ def test_a_request_id_that_comes_back_is_sampled_with_its_own_params():
 
     def step():
         s = core.schedule()
-        msg = protocol.decode(protocol.encode(view.execute_step(1, s, store, core.requests.keys())))
+        msg = protocol.decode(protocol.encode(view.execute_step(1, s, store, core.live_request_ids)))
         worker.apply_deltas(msg)
         _, samples = worker.build(msg)
         worker.drop_params(msg)

@@ -32,7 +32,7 @@ import itertools
 import operator
 from collections import Counter, deque
 from dataclasses import dataclass, field, fields
-from typing import Callable
+from typing import Callable, KeysView
 
 from pagedserve.services import config_fields as cf
 from pagedserve.services.sampling_params import SamplingParams
@@ -57,13 +57,14 @@ class SchedulerConfig:
     kv_usage_interval_s: float = 0.05           # how often the KV usage split is sampled (clock s)
 
     @classmethod
-    def of(cls, settings, **model) -> "SchedulerConfig":
-        """The scheduler's part of a process's config (the scheduler service's or the offline
-        engine's: each field of theirs with a name of ours), and what the model decides (model=
-        max_model_len, eos_token_ids, vocab_size)."""
+    def of(cls, settings, **fixed) -> "SchedulerConfig":
+        """The scheduler's part of a process's config (the scheduler service's, the offline
+        engine's or the simulator's: each field of theirs with a name of ours), and the fields the
+        caller decides itself (fixed=: what the model decides, max_model_len, eos_token_ids,
+        vocab_size; the simulator's kv_usage_interval_s)."""
         mine = {f.name for f in fields(cls)}
-        return cls(**{name: getattr(settings, name) for name in mine - model.keys() if hasattr(settings, name)},
-                   **model)
+        return cls(**{name: getattr(settings, name) for name in mine - fixed.keys() if hasattr(settings, name)},
+                   **fixed)
 
 
 @dataclass
@@ -184,6 +185,12 @@ class Scheduler:
             seq.finish_reason = "abort"
         self._finish(req, "abort")
         return True
+
+    @property
+    def live_request_ids(self) -> KeysView[str]:
+        """The ids of the requests this core still holds (unfinished, or finished and not popped
+        yet): a live, read-only view, cheap to take every step."""
+        return self.requests.keys()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

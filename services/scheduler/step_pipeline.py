@@ -106,7 +106,7 @@ class StepPipeline:
         if scheduled.steps:
             self.worker_step += 1
             request = self.workers_view.execute_step(self.worker_step, scheduled, self.kvsync.mirror,
-                                                     self.core.requests.keys())
+                                                     self.core.live_request_ids)
             self.worker.send(request)
         return Dispatched(scheduled, request, pending, t_plan, t_ops, time.perf_counter())
 
