@@ -342,19 +342,12 @@ class Scheduler:
     def _append_all_at_once(self) -> bool:
         """Give every running sequence the slot for its last sampled token in one store call;
         False (and nothing appended) when they do not all fit, or one needs more than one token."""
-        seqs = [s for r in self.running for s in r.seqs]
-        if not seqs:
-            return True
         ids, tokens = [], []
-        for seq, have in zip(seqs, self.store.num_tokens_of([s.seq_id for s in seqs])):
-            out = seq.output_token_ids
-            n = len(seq.prompt_token_ids) + len(out)
-            if have == n:
-                continue
-            if have != n - 1:
+        for seq, new in self._to_append([s for r in self.running for s in r.seqs]):
+            if len(new) != 1:
                 return False
             ids.append(seq.seq_id)
-            tokens.append(out[-1] if out else seq.prompt_token_ids[-1])
+            tokens.append(new[0])
         if not ids:
             return True
         result = self.store.append_tokens(ids, tokens)
@@ -391,23 +384,25 @@ class Scheduler:
     def _num_live_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
 
-    def _to_append(self, seq: Sequence) -> list[int]:
-        """Tokens the scheduler knows that the store has no slot for yet (the last sampled one)."""
-        known = self.store.num_tokens(seq.seq_id)
-        return seq.token_slice(known) if known < seq.num_tokens else []
+    def _to_append(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, the tokens the scheduler knows that the store has no slot for yet: the last
+        sampled one) for each of seqs that lacks any, asked of the store in one call."""
+        if not seqs:
+            return []
+        return [(seq, seq.token_slice(known))
+                for seq, known in zip(seqs, self.store.num_tokens_of([s.seq_id for s in seqs]))
+                if known < len(seq.prompt_token_ids) + len(seq.output_token_ids)]
 
     def _can_grow(self, req: Request) -> bool:
-        grow = [s.seq_id for s in req.seqs if s.num_pending and self._to_append(s)]
+        grow = [seq.seq_id for seq, _ in self._to_append(req.seqs)]
         return not grow or self.store.can_append(grow)
 
     def _grow(self, req: Request) -> None:
-        for seq in req.seqs:
-            new = self._to_append(seq) if seq.num_pending else []
-            if new:
-                result = self.store.append_slots(seq.seq_id, new)
-                if not result.ok:   # can_grow said yes: a mismatch is a bug, not a shortage
-                    raise RuntimeError(f"append_slots failed after can_append: {result.reason}")
-                self.stats["cow_copies"] += len(result.copies)
+        for seq, new in self._to_append(req.seqs):
+            result = self.store.append_slots(seq.seq_id, new)
+            if not result.ok:   # can_grow said yes: a mismatch is a bug, not a shortage
+                raise RuntimeError(f"append_slots failed after can_append: {result.reason}")
+            self.stats["cow_copies"] += len(result.copies)
 
     def _add_compute(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
         """Give the request's sequences this step's tokens and say which want a sample.
@@ -416,35 +411,27 @@ class Scheduler:
         a multi-sequence request being re-prefilled holds back each sequence's last token until
         all of them can finish in the same step."""
         seqs = req.seqs
+        # Each sequence keeps its last token back (hold) unless all of them finish in this step.
+        hold = 0 if len(seqs) == 1 or sum(s.num_pending for s in seqs) <= budget[0] else 1
         table = self.store.block_table_view
-        if len(seqs) == 1 and budget[0] > 0:
-            # The steady decode step of one sequence, its draw already built: nearly every request
-            # of nearly every step, so without the general path's lists (measured in the commit).
-            seq = seqs[0]
-            out_ids, start = seq.output_token_ids, seq.num_computed
-            if seq.sample_requests is not None and out_ids and len(seq.prompt_token_ids) + len(out_ids) - start == 1:
-                budget[0] -= 1
-                out.steps.append(SeqStep(seq.seq_id, [out_ids[-1]], start, table(seq.seq_id)))
-                out.samples.append(seq.sample_requests)
-                out.computed.append((seq, 1))
-                out.step_requests.append(req)
-                out.requests.append(req)
-                return
-        pending = [s.num_tokens - s.num_computed for s in seqs]
-        total = sum(pending)
-        if total == 0:
-            return
-        together = total <= budget[0]
-        for seq, n in zip(seqs, pending):
+        # Asked once per request, and the property only where prompt logprobs were asked for: this
+        # loop runs for every running request every step.
+        prompt_logprobs = req.params.prompt_logprobs is not None and req.needs_prompt_logprobs
+        pending = False
+        for seq in seqs:
+            start = seq.num_computed
+            n = len(seq.prompt_token_ids) + len(seq.output_token_ids) - start
             if n == 0:
                 continue
-            take = n if together else min(n - (1 if len(seqs) > 1 else 0), budget[0])
+            pending = True
+            take = n - hold
+            if take > budget[0]:
+                take = budget[0]
             if take <= 0:
                 continue
             budget[0] -= take
-            start = seq.num_computed
             step = SeqStep(seq.seq_id, seq.token_slice(start, start + take), start, table(seq.seq_id))
-            if req.needs_prompt_logprobs and seq is seqs[0]:
+            if prompt_logprobs and seq is seqs[0]:
                 prompt = req.prompt_token_ids
                 step.prompt_logprobs = req.params.prompt_logprobs
                 step.next_token = prompt[start + take] if start + take < len(prompt) else -1
@@ -455,7 +442,8 @@ class Scheduler:
                 out.samples.append(seq.sample_requests or self._sample_requests(req, seq, out))
             out.computed.append((seq, take))
             out.step_requests.append(req)
-        out.requests.append(req)
+        if pending:
+            out.requests.append(req)
 
     def _sample_requests(self, req: Request, seq: Sequence, out: ScheduledStep) -> list[SampleRequest]:
         p = req.params
@@ -654,11 +642,7 @@ class Scheduler:
         for req in scheduled.requests:
             if req.status is FINISHED:
                 continue
-            seqs = req.seqs
-            if len(seqs) == 1:   # most requests: no list comprehension (a call of its own)
-                wanted = [seqs[0]] if seqs[0].seq_id in by_seq else []
-            else:
-                wanted = [s for s in seqs if s.seq_id in by_seq]
+            wanted = [s for s in req.seqs if s.seq_id in by_seq]
             if wanted and by_seq[wanted[0].seq_id].token_id == WAITS_FOR_GRAMMAR:
                 # No draw: its grammar compiles on the worker (one constraint per request, so all
                 # its samples wait). Its last token is computed again next step, which draws then.
