@@ -1,0 +1,141 @@
+"""A step profile: what one engine step costs on one machine, measured by `loadgen profile`
+(loadgen/profile.py), read by `loadgen simulate --profile` (loadgen/profiled_cost.py).
+
+The JSON file (version 1), every time in seconds:
+
+    {"version": 1,
+     "machine":  {"hostname", "cpu", "cores", "torch_threads", "device"},
+     "model":    {"path", "name", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab", "max_model_len", "dtype", "kv_bytes_per_token"},
+     "versions": {"pagedserve", "torch", "transformers", "python"},
+     "created": ISO-8601 time, "took_s": seconds the profile took,
+     "block_size": the KV block size the grids were measured at,
+     "decode":  {"batch": [B...], "context": [C...], "seconds": [[t(B, C) for C] for B]},
+         one whole engine step (schedule, model, sample, update) in which B sequences each compute
+         one token, every sequence's context C tokens long (the new token included);
+     "prefill": {"tokens": [Q...], "context": [P...], "seconds": [[t(Q, P) for P] for Q]},
+         one whole engine step in which one sequence computes Q prompt tokens after P tokens already
+         cached (a prefix-cache hit or an earlier chunk), sampling one;
+     "block_size_factor": {"block_size": [b...], "factor": [f...]},
+         a decode step's time at block size b divided by its time at "block_size" (factor 1 there):
+         the attention kernel's cost of small blocks (and of large ones);
+     "swap_out": {"block_size": [b...], "seconds_per_block": [s...]},   device pool -> host pool
+     "swap_in":  {"block_size": [b...], "seconds_per_block": [s...]},   host pool -> device pool
+     "copy":     {"block_size": [b...], "seconds_per_block": [s...]}}   copy-on-write, device -> device
+
+Recompute has no entry of its own: a preempted request's recompute is its prompt prefilled again,
+which the prefill grid prices.
+
+Grid axes are strictly increasing; every grid has at least two points per axis.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Grid1:
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Grid2:
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+    z: tuple[tuple[float, ...], ...]     # z[i][j] at (x[i], y[j])
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    raw: dict                 # the whole file, as read (machine, model, versions: for reports)
+    block_size: int
+    decode: Grid2             # (batch, context) -> seconds
+    prefill: Grid2            # (tokens, cached context) -> seconds
+    block_size_factor: Grid1
+    swap_out: Grid1           # block size -> seconds per block
+    swap_in: Grid1
+    copy: Grid1
+
+    @property
+    def model(self) -> dict:
+        return self.raw["model"]
+
+    @property
+    def machine(self) -> dict:
+        return self.raw["machine"]
+
+
+def _increasing(name: str, axis) -> tuple[float, ...]:
+    if not isinstance(axis, list) or len(axis) < 2 or not all(isinstance(v, (int, float)) for v in axis):
+        raise ProfileError(f"{name} must be a list of at least two numbers")
+    if any(b <= a for a, b in zip(axis, axis[1:])):
+        raise ProfileError(f"{name} must be strictly increasing, got {axis}")
+    return tuple(float(v) for v in axis)
+
+
+def _grid1(raw: dict, name: str, x: str, y: str) -> Grid1:
+    part = raw.get(name)
+    if not isinstance(part, dict):
+        raise ProfileError(f"the profile has no {name!r} object")
+    xs = _increasing(f"{name}.{x}", part.get(x))
+    ys = part.get(y)
+    if not isinstance(ys, list) or len(ys) != len(xs) or not all(isinstance(v, (int, float)) and v >= 0 for v in ys):
+        raise ProfileError(f"{name}.{y} must be {len(xs)} non-negative numbers")
+    return Grid1(xs, tuple(float(v) for v in ys))
+
+
+def _grid2(raw: dict, name: str, x: str, y: str) -> Grid2:
+    part = raw.get(name)
+    if not isinstance(part, dict):
+        raise ProfileError(f"the profile has no {name!r} object")
+    xs, ys = _increasing(f"{name}.{x}", part.get(x)), _increasing(f"{name}.{y}", part.get(y))
+    z = part.get("seconds")
+    if not isinstance(z, list) or len(z) != len(xs) or any(
+            not isinstance(row, list) or len(row) != len(ys)
+            or not all(isinstance(v, (int, float)) and v >= 0 for v in row) for row in z):
+        raise ProfileError(f"{name}.seconds must be {len(xs)} rows of {len(ys)} non-negative numbers")
+    return Grid2(xs, ys, tuple(tuple(float(v) for v in row) for row in z))
+
+
+def parse(raw: dict) -> StepProfile:
+    if not isinstance(raw, dict) or raw.get("version") != VERSION:
+        raise ProfileError(f"not a version-{VERSION} step profile (its 'version' is "
+                           f"{raw.get('version') if isinstance(raw, dict) else None!r})")
+    for part in ("machine", "model", "versions"):
+        if not isinstance(raw.get(part), dict):
+            raise ProfileError(f"the profile has no {part!r} object")
+    bs = raw.get("block_size")
+    if not isinstance(bs, int) or bs < 1:
+        raise ProfileError("block_size must be a positive integer")
+    return StepProfile(raw, bs, _grid2(raw, "decode", "batch", "context"), _grid2(raw, "prefill", "tokens", "context"),
+                       _grid1(raw, "block_size_factor", "block_size", "factor"),
+                       _grid1(raw, "swap_out", "block_size", "seconds_per_block"),
+                       _grid1(raw, "swap_in", "block_size", "seconds_per_block"),
+                       _grid1(raw, "copy", "block_size", "seconds_per_block"))
+
+
+def load(path: str | Path) -> StepProfile:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read the profile {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"the profile {path} is not JSON: {e}") from None
+    return parse(raw)
+
+
+def save(raw: dict, path: str | Path) -> StepProfile:
+    """Check, then write: a profile that cannot be read back is never written."""
+    profile = parse(raw)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(raw, indent=1) + "\n")
+    return profile
