@@ -56,11 +56,9 @@ def profile(cfg) -> dict:
             f"{engine.device_pool.num_blocks} KV blocks; torch {torch.get_num_threads()} threads")
         decode = [[decode_time(engine, b, c, cfg.repeats, rng) for c in context] for b in batch]
         prefill = [[prefill_time(engine, q, p, cfg.repeats, rng) for p in cached] for q in tokens]
-        factor_point = (batch[len(batch) // 2], context[len(context) // 2])
-        reference = decode_time(engine, *factor_point, cfg.repeats, rng)
     finally:
         engine.close()
-    factors = block_size_factors(cfg, model, factor_point, reference, rng)
+    factors = block_size_factors(cfg, model, (batch[len(batch) // 2], context[len(context) // 2]), rng)
     copies = copy_costs(spec, dtype, cfg.device, cfg.swap_block_sizes, cfg.repeats)
 
     raw = {"version": VERSION,
@@ -77,7 +75,7 @@ def profile(cfg) -> dict:
            "decode": {"batch": batch, "context": context, "seconds": decode},
            "prefill": {"tokens": tokens, "context": cached, "seconds": [[t for t, _ in row] for row in prefill],
                        "cached": [[n for _, n in row] for row in prefill]},
-           "block_size_factor": {"block_size": sorted(factors), "factor": [factors[b] for b in sorted(factors)]},
+           "block_size_factor": {"block_size": list(factors), "factor": list(factors.values())},
            **copies,
            "notes": notes}
     raw["took_s"] = round(time.monotonic() - started, 1)
@@ -226,19 +224,18 @@ def prefill_time(engine, q: int, p: int, repeats: int, rng: random.Random) -> tu
     return t, hits.pop()
 
 
-def block_size_factors(cfg, model: str, point: tuple[int, int], reference: float,
-                       rng: random.Random) -> dict[int, float]:
-    """{block size: a decode step's time at the point on an engine of that block size / reference}
-    (the point timed at cfg.block_size); cfg.block_size itself is 1, listed whether asked or not."""
+def block_size_factors(cfg, model: str, point: tuple[int, int], rng: random.Random) -> dict[int, float]:
+    """{block size: a decode step's time at the point (batch, context) / its time at cfg.block_size},
+    cfg.block_size listed whether asked or not. Every block size gets an engine of its own, built
+    alike (pool, batch limits), the reference's included, so that only the block size differs."""
     from pagedserve.services.engine import Engine
     b, c = point
-    factors = {cfg.block_size: 1.0}
-    for bs in cfg.factor_block_sizes:
-        if bs == cfg.block_size:
-            continue
+    times = {}
+    for bs in sorted({*cfg.factor_block_sizes, cfg.block_size}):
         with Engine(engine_config(cfg, model, bs, [b], [c])) as engine:
-            factors[bs] = decode_time(engine, b, c, cfg.repeats, rng) / reference
-        log(f"block size {bs}: factor {factors[bs]:.3f}")
+            times[bs] = decode_time(engine, b, c, cfg.repeats, rng)
+    factors = {bs: t / times[cfg.block_size] for bs, t in times.items()}
+    log("block-size factors: " + ", ".join(f"{bs} {f:.3f}" for bs, f in factors.items()))
     return factors
 
 
