@@ -317,6 +317,9 @@ class ProfileConfig:
     block_size: int = cf.block_size()
     max_num_batched_tokens: int = opt(2048, "the engine's token budget of one step: prefill points above it "
                                             "are capped to it", check=_at_least(1))
+    torch_threads: int = opt(0, "torch threads, as the worker's --torch-threads (0: as many as torch picks); on a "
+                                "busy CPU one thread can be steadier than two that wait on each other",
+                             check=_at_least(0))
     kv_cache_gib: float = opt(8.0, "the most the device KV pool may take: the largest decode batches (or "
                                    "contexts) that need more are dropped", check=_positive)
     # the grids

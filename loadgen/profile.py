@@ -39,6 +39,8 @@ def profile(cfg) -> dict:
     from pagedserve.services.worker.model_loader import inspect_model_dir
 
     started = time.monotonic()
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     try:
         model = resolve_model(cfg.model)
         hf_config, spec = inspect_model_dir(model)   # a bad folder is refused before anything loads
