@@ -1,7 +1,8 @@
 """`loadgen`: replay traces against any OpenAI-compatible server (`replay`), chat conversations of
 several turns (`multi-turn`), sweep request rates (`sweep`), put runs side by side (`compare`), and
 run the project's own scheduler and block store against a GPU cost model in virtual time
-(`simulate`). Options: loadgen.config; `loadgen CMD --help`.
+(`simulate`), and measure what one engine step costs on this machine (`profile`). Options:
+loadgen.config; `loadgen CMD --help`.
 
 A run that cannot start (server down, bad trace, bad flag) is one line on stderr and exit 2.
 """
@@ -12,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, ReplayConfig, SimulateConfig,
-                                       SweepConfig)
+from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, ProfileConfig, ReplayConfig,
+                                       SimulateConfig, SweepConfig)
 from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
@@ -24,7 +25,10 @@ COMMANDS = {
     "compare": (CompareConfig, "several sweeps or replays on the same axes and in one table"),
     "simulate": (SimulateConfig, "the real scheduler and block store against a GPU cost model, in virtual time"),
     "paper": (PaperConfig, "the PagedAttention paper's figures on the simulator, beside the paper's"),
+    "profile": (ProfileConfig, "what one engine step costs here (decode, prefill, block size, swaps, copies), "
+                               "measured on a real model: a step profile for simulate"),
 }
+FILE_OUT = {"profile"}    # commands whose --out is one file, not a folder
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = from_args(cls, {k: v for k, v in vars(args).items() if k != "command"})
         cfg.out = os.path.normpath(cfg.out)     # `--out r/` names r/report.md, not r//report.md
-        writable_folder(cfg.out)
+        if args.command in FILE_OUT and os.path.isdir(cfg.out):
+            raise ConfigError(f"--out {cfg.out} is a folder: give the file to write")
+        writable_folder((os.path.dirname(cfg.out) or ".") if args.command in FILE_OUT else cfg.out)
         return _run(args.command, cfg)
     except (ConfigError, ReplayError, TraceError) as e:
         print(f"loadgen {args.command}: {e}", file=sys.stderr)
@@ -101,6 +107,14 @@ def _run(command: str, cfg) -> int:
         done = f"{report['num_runs']} runs redrawn from {cfg.out}/runs.json" if cfg.replot else \
             f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s"
         print(f"{done}; report in {cfg.out}/paper.md")
+        return 0
+    if command == "profile":
+        from pagedserve.loadgen.profile import profile
+        from pagedserve.loadgen.step_profile import save
+        raw = profile(cfg)
+        save(raw, cfg.out)
+        print(f"step profile of {raw['model']['name']} on {raw['machine']['device']} in {raw['took_s']:.0f} s: "
+              f"{cfg.out}" + (f" ({len(raw['notes'])} notes in it)" if raw["notes"] else ""))
         return 0
     if command == "sweep":
         result = sweeps.sweep(cfg)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pagedserve.loadgen.multi_turn import TURN_LENGTHS
 from pagedserve.loadgen.traces import TRACE_NAMES
 from pagedserve.loadgen.workload import FIT_MODES
+from pagedserve.services import config_fields as cf
 from pagedserve.services.flags import opt
 
 ENDPOINTS = ("completions", "chat")
@@ -286,3 +287,54 @@ class AttackSoakConfig:
     def count(self, n: int) -> int:
         """A count of the long form, scaled (at least 1)."""
         return max(1, round(n * self.scale))
+
+
+def _axis(least: int):
+    """A grid axis: at least two points, strictly increasing, each >= least."""
+    def check(v: list[int]) -> bool | str:
+        if len(v) < 2 or any(b <= a for a, b in zip(v, v[1:])):
+            return "needs at least two values, strictly increasing"
+        return v[0] >= least or f"each value must be >= {least}"
+    return check
+
+
+def _block_sizes(v: list[int]) -> bool | str:
+    verdict = _axis(1)(v)
+    if verdict is not True:
+        return verdict
+    for b in v:
+        if (why := cf.power_of_two_block(b)) is not True:
+            return f"{b} {why}"
+    return True
+
+
+@dataclass
+class ProfileConfig:
+    # the engine profiled
+    model: str = cf.model("a local Hugging Face folder, or 'tiny' (built in .cache/tiny-llama on first use)")
+    device: str = cf.device("cpu", "cpu, cuda or cuda:N")
+    dtype: str = cf.dtype()
+    block_size: int = cf.block_size()
+    max_num_batched_tokens: int = opt(2048, "the engine's token budget of one step: prefill points above it "
+                                            "are capped to it", check=_at_least(1))
+    torch_threads: int = opt(0, "torch threads, as the worker's --torch-threads (0: as many as torch picks); on a "
+                                "busy CPU one thread can be steadier than two that wait on each other",
+                             check=_at_least(0))
+    kv_cache_gib: float = opt(8.0, "the most the device KV pool may take: the largest decode batches (or "
+                                   "contexts) that need more are dropped", check=_positive)
+    # the grids
+    decode_batch: list[int] = opt([1, 2, 4, 8, 16, 32, 64, 128, 256], "decode grid: sequences in a step",
+                                  check=_axis(1))
+    decode_context: list[int] = opt([16, 64, 256, 1024], "decode grid: each sequence's context (capped to "
+                                                         "the model's)", check=_axis(1))
+    prefill_tokens: list[int] = opt([16, 64, 256, 1024], "prefill grid: prompt tokens computed in the step",
+                                    check=_axis(1))
+    prefill_context: list[int] = opt([0, 256, 1024], "prefill grid: tokens already cached before them "
+                                                     "(whole blocks)", check=_axis(0))
+    factor_block_sizes: list[int] = opt([1, 4, 8, 16, 32, 64, 128, 256], "block sizes of the decode step's "
+                                        "block-size factor (an engine built for each)", check=_block_sizes)
+    swap_block_sizes: list[int] = opt([1, 4, 16, 64, 256], "block sizes of the swap and copy costs",
+                                      check=_block_sizes)
+    repeats: int = opt(5, "timed decode steps per point, and timed runs per prefill point and copy (the "
+                          "median is kept)", check=_at_least(1))
+    out: str = opt("step-profile.json", "the profile, a JSON file (loadgen/step_profile.py's format)")

@@ -23,6 +23,10 @@ The JSON file (version 1), every time in seconds:
      "swap_in":  {"block_size": [b...], "seconds_per_block": [s...]},   host pool -> device pool
      "copy":     {"block_size": [b...], "seconds_per_block": [s...]}}   copy-on-write, device -> device
 
+Two optional keys, for readers of the file (parse does not read them): "notes", lines saying which
+grid points the profile capped or dropped (the model's context, the KV pool); "prefill"."cached",
+[[tokens found in the prefix cache, for P] for Q] (equal to the context axis: a miss is an error).
+
 Recompute has no entry of its own: a preempted request's recompute is its prompt prefilled again,
 which the prefill grid prices.
 

@@ -1,0 +1,103 @@
+"""`loadgen profile`: a real profile of the tiny model on a tiny grid (seconds), read back through
+step_profile; and the command's refusals (one line, exit 2).
+
+Timings on a shared CPU are noisy (a busy neighbour makes one step 10-50x slower for seconds), so
+the profile's checks are of shape (every point measured, positive, the cache hit where it must be);
+the one check of speed compares points far apart (1 and 256 sequences), each at its fastest of
+three interleaved measurements, since noise only ever adds time."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pagedserve.loadgen import step_profile
+from pagedserve.loadgen.cli import main
+from pagedserve.loadgen.config import ProfileConfig
+from pagedserve.loadgen.profile import decode_time, engine_config, profile
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_llama, tmp_path_factory):
+    cfg = ProfileConfig(model=tiny_llama, decode_batch=[1, 2], decode_context=[16, 32],
+                        prefill_tokens=[16, 32], prefill_context=[0, 16], factor_block_sizes=[8, 16],
+                        swap_block_sizes=[4, 16], repeats=3)
+    raw = profile(cfg)
+    path = tmp_path_factory.mktemp("profile") / "step-profile.json"
+    step_profile.save(raw, path)
+    return raw, path
+
+
+def test_the_file_reads_back_as_it_was_returned(tiny_profile):
+    raw, path = tiny_profile
+    loaded = step_profile.load(path)
+    assert loaded.raw == json.loads(json.dumps(raw))
+    assert loaded.block_size == 16
+    assert loaded.decode.x == (1, 2) and loaded.decode.y == (16, 32)
+    assert loaded.prefill.x == (16, 32) and loaded.prefill.y == (0, 16)
+    assert raw["notes"] == []     # nothing in this grid needed capping
+
+
+def test_every_point_is_measured_and_positive(tiny_profile):
+    raw, _ = tiny_profile
+    for part in ("decode", "prefill"):
+        rows = raw[part]["seconds"]
+        assert all(t > 0 for row in rows for t in row), (part, rows)
+    factor = dict(zip(raw["block_size_factor"]["block_size"], raw["block_size_factor"]["factor"]))
+    assert factor[16] == 1.0 and factor[8] > 0
+    for part in ("swap_out", "swap_in", "copy"):
+        assert raw[part]["block_size"] == [4, 16]
+        assert all(s > 0 for s in raw[part]["seconds_per_block"]), raw[part]
+    assert raw["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4   # layers, K and V, KV heads, head dim, fp32
+    assert raw["took_s"] > 0 and raw["machine"]["cores"] >= 1
+
+
+def test_a_decode_step_of_256_sequences_takes_longer_than_one_of_one(tiny_llama):
+    from pagedserve.services.engine import Engine
+    cfg = ProfileConfig(model=tiny_llama, repeats=3)
+    rng = random.Random(0)
+    times: dict[int, list[float]] = {1: [], 256: []}
+    with Engine(engine_config(cfg, tiny_llama, 16, [1, 256], [16, 32])) as engine:
+        for _ in range(3):
+            for b in times:
+                times[b].append(decode_time(engine, b, 32, cfg.repeats, rng))
+        assert engine.store.stats()["num_sequences"] == 0     # every point's requests are gone
+    assert min(times[256]) > min(times[1]), times
+
+
+def test_the_cached_prefill_points_hit_the_prefix_cache(tiny_profile):
+    raw, _ = tiny_profile
+    assert raw["prefill"]["cached"] == [raw["prefill"]["context"]] * len(raw["prefill"]["tokens"])
+
+
+def test_a_default_grid_too_long_for_the_model_is_capped_and_noted():
+    from pagedserve.loadgen.profile import decode_axes, prefill_axes
+    from pagedserve.services.model_dir import ModelSpec
+    spec = ModelSpec(path="m", architecture="LlamaForCausalLM", num_layers=2, num_kv_heads=2, head_dim=32,
+                     vocab_size=2048, max_model_len=1024, eos_token_ids=(2,))
+    cfg, notes = ProfileConfig(model="m"), []
+    batch, context = decode_axes(cfg, spec, "float32", notes)
+    assert batch == cfg.decode_batch and context == [16, 64, 256, 1020]
+    assert prefill_axes(cfg, 1024, notes) == ([16, 64, 256, 766], [0, 256])
+    assert len(notes) == 3, notes          # the decode cap, the dropped P=1024, the Q cap
+    # 128 MiB: 8192 blocks of 16 KiB; 128 sequences of 1020 tokens need 128 x 65 of them
+    small = ProfileConfig(model="m", kv_cache_gib=0.125)
+    batch, _ = decode_axes(small, spec, "float32", notes := [])
+    assert batch == [1, 2, 4, 8, 16, 32, 64] and len(notes) == 3   # the cap, 256 and 128 dropped
+
+
+def test_a_missing_model_folder_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["profile", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("flags, words", [(["--decode-batch", "4,2"], "strictly increasing"),
+                                          (["--swap-block-sizes", "3,4"], "power of two"),
+                                          (["--decode-context", "2,16"], "shortest context")])
+def test_a_bad_grid_is_one_line_and_exit_2(tiny_llama, tmp_path, capsys, flags, words):
+    assert main(["profile", "--model", tiny_llama, "--out", str(tmp_path / "p.json"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
