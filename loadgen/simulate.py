@@ -3,7 +3,8 @@ by a worker that computes nothing and charges each step what loadgen.cost_model 
 
 Nothing here schedules: requests go in through Scheduler.add_request at their arrival times, every
 step is Scheduler.schedule(), the store is the kvstore's BlockStore behind the same op-log recorder
-the served scheduler plans on (its swap results say how many blocks crossed the host link), and the
+the served scheduler plans on (its swap results say which blocks crossed the host link, its append
+results which blocks were copied on write), and the
 sampled tokens go back through Scheduler.update. The clock the scheduler reads is the virtual one,
 so its time stamps (first token, finish) and its time-averaged KV split are in simulated seconds.
 Outputs run to their trace length (ignore_eos), so the simulated tokens' values do not matter.
@@ -21,7 +22,7 @@ from pagedserve.kvstore.replay import RecordingStore
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.loadgen.client import RequestRecord
 from pagedserve.loadgen.config import SimulateConfig
-from pagedserve.loadgen.cost_model import GiB, PRESETS, CostModel, Preset, custom_preset
+from pagedserve.loadgen.cost_model import GiB, PRESETS, BlockMoves, CostModel, Preset, custom_preset
 from pagedserve.loadgen.metrics import summarize
 from pagedserve.loadgen.report import write_run
 from pagedserve.loadgen.traces import load_trace
@@ -128,7 +129,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
             now[0] = requests[nxt].arrival
             continue
         step = sched.schedule()
-        swapped = _swap_blocks(*store.drain())   # the op log a served scheduler sends its kvstore
+        moves = _block_moves(*store.drain())   # the op log a served scheduler sends its kvstore
         if step.is_empty:   # nothing fits now (the requests it aborted, if any, still finish)
             _record(sched, sched.update(step, []), records, rid_of)
             if sched.has_unfinished():
@@ -137,7 +138,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                 now[0] = max(now[0], requests[nxt].arrival)
             continue
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in step.steps]
-        now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), swapped, bs)
+        now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), moves, bs)
         steps += 1
         for req, wanted in zip(step.step_requests, step.samples):
             if wanted:
@@ -147,8 +148,18 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                      dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes))
 
 
-def _swap_blocks(ops: list[list], results: list) -> int:
-    return sum(len(r[1]) for op, r in zip(ops, results) if op[0] in ("swap_out", "swap_in"))
+def _block_moves(ops: list[list], results: list) -> BlockMoves:
+    """What a step's op log copied: a swap's result maps each block it moved, an append's lists
+    its copy-on-write copies (replay.encode_result's wire forms)."""
+    out = back = copied = 0
+    for op, r in zip(ops, results):
+        if op[0] == "swap_out":
+            out += len(r[1])
+        elif op[0] == "swap_in":
+            back += len(r[1])
+        elif op[0] in ("append_slots", "append_tokens"):
+            copied += len(r[1])
+    return BlockMoves(out, back, copied)
 
 
 def _record(sched: Scheduler, finished: list, records: dict, rid_of: dict) -> None:
