@@ -93,7 +93,7 @@ def _run(command: str, cfg) -> int:
               f"{s['request_throughput']:.2f} req/s, normalized latency {s['mean_normalized_latency_s_per_token']:.3f} "
               f"s/token, {s['avg_batched_requests']:.2f} requests batched, token states "
               f"{100 * s['kv_token_share']:.1f} % of the KV cache (while saturated: {s['saturated']['avg_batched_requests']:.2f}"
-              f" and {100 * s['saturated']['kv_token_share']:.1f} %); summary in {cfg.out}/summary.json")
+              f" and {100 * s['saturated']['kv_token_share']:.1f} %){_priced_by(s)}; summary in {cfg.out}/summary.json")
         return 0
     if command == "paper":
         from pagedserve.loadgen.paper import paper
@@ -112,6 +112,15 @@ def _run(command: str, cfg) -> int:
     sweeps.compare(cfg)
     print(f"comparison in {cfg.out}/compare.md")
     return 0
+
+
+def _priced_by(s: dict) -> str:
+    """Which profile priced a simulated run (nothing for the roofline's)."""
+    p = s["profile"]
+    if p is None:
+        return ""
+    machine = p["machine"].get("device") or p["machine"].get("hostname")
+    return f"; steps priced by the profile {p['path']} ({p['model']['name'] or p['model']['path']} on {machine})"
 
 
 def _one_line(s: dict) -> str:

@@ -198,7 +198,10 @@ class SimulateConfig:
     gpu_flops: float = opt(312e12, "custom: peak fp16 FLOP/s per GPU", check=_positive)
     gpu_mem_bw: float = opt(1.555e12, "custom: memory bytes/s per GPU", check=_positive)
     num_gpus: int = opt(1, "custom: GPUs (tensor parallel)", check=_at_least(1))
-    kv_cache_gib: float | None = opt(None, "KV pool in GiB (default: the preset's)", check=_positive)
+    profile: str | None = opt(None, "a step profile (loadgen profile's JSON): its model, each step's time as "
+                                    "that machine measured it (instead of the preset and its roofline)")
+    kv_cache_gib: float | None = opt(None, "KV pool in GiB (default: the preset's; with --profile room for "
+                                           "--max-num-seqs sequences of the model's whole context)", check=_positive)
     allocation: str = opt("paged", "the block store's policy", choices=ALLOCATION_NAMES)
     batching: str = opt("iteration", "iteration, or request (FasterTransformer: with orca-max)",
                         choices=("iteration", "request"))

@@ -110,6 +110,21 @@ class Preset:
     def num_kv_tokens(self) -> int:
         return self.kv_cache_bytes // self.model.kv_bytes_per_token
 
+    # What `loadgen simulate` reads of any server it simulates (profiled_cost.ProfiledServer too).
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def priced_by(self) -> None:
+        return None              # the roofline, not a measured profile (ProfiledServer.priced_by)
+
+    def cost_model(self) -> "CostModel":
+        return CostModel(self)
+
 
 GiB = 1 << 30
 A100_40G = Hardware("A100-40GB", 1, 312e12, 1.555e12, swap_block_latency_s=PCIE_BLOCK_LATENCY_S)
@@ -129,8 +144,8 @@ PRESETS = {
 
 def custom_preset(config_json: str, flops: float, mem_bw: float, kv_cache_bytes: int, num_gpus: int = 1) -> Preset:
     model = ModelShape.from_config(config_json)
-    return Preset("custom", model, Hardware("custom", num_gpus, flops, mem_bw, swap_block_latency_s=PCIE_BLOCK_LATENCY_S),
-                  kv_cache_bytes,
+    hardware = Hardware("custom", num_gpus, flops, mem_bw, swap_block_latency_s=PCIE_BLOCK_LATENCY_S)
+    return Preset("custom", model, hardware, kv_cache_bytes,
                   f"{model.name} from {config_json}")
 
 
