@@ -236,6 +236,10 @@ class PaperConfig:
     jobs: int = opt(2, "simulations run at once (processes)", check=_at_least(1))
     figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
     seed: int = opt(11, "the workload seed of every run")
+    profile: str | None = opt(None, "price every run's steps by this step profile (loadgen profile's JSON) "
+                                    "instead of the roofline for OPT-13B on an A100")
+    kv_cache_gib: float | None = opt(None, "every run's KV pool in GiB (default: the preset's 12 GiB; with "
+                                           "--profile, room for 256 whole contexts)", check=_positive)
     plots: bool = opt(True, "write PNG plots (matplotlib)")
     progress: bool = opt(True, "a line on stderr as each run ends: runs done / total, elapsed, time left")
     replot: bool = opt(False, "redraw paper.md, paper.json and the plots from --out's runs.json of an earlier "

@@ -119,7 +119,7 @@ class Preset:
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
 
-    def priced_by(self) -> None:
+    def priced_by(self, block_size: int) -> None:
         return None              # the roofline, not a measured profile (ProfiledServer.priced_by)
 
     def cost_model(self) -> "CostModel":

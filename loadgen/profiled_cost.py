@@ -139,9 +139,13 @@ class ProfiledServer:
     def cost_model(self) -> ProfiledCost:
         return ProfiledCost(self.profile)
 
-    def priced_by(self) -> dict:
-        """For the summary: which profile priced the run."""
-        m = self.profile.model
-        return {"path": self.path, "machine": self.profile.machine,
+    def priced_by(self, block_size: int) -> dict:
+        """For the summary: which profile priced the run, and what it charged at its block size."""
+        m, p, cost = self.profile.model, self.profile, self.cost_model()
+        return {"path": self.path, "machine": p.machine,
                 "model": {k: m.get(k) for k in ("name", "path", "max_model_len", "kv_bytes_per_token")},
-                "block_size": self.profile.block_size, "created": self.profile.raw.get("created")}
+                "block_size": p.block_size, "created": p.raw.get("created"),
+                "at_block_size": {"block_size": block_size, "decode_factor": cost.block_factor(block_size),
+                                  "swap_out_s_per_block": interp1(p.swap_out, block_size),
+                                  "swap_in_s_per_block": interp1(p.swap_in, block_size),
+                                  "copy_s_per_block": interp1(p.copy, block_size)}}

@@ -197,7 +197,7 @@ def summary_of(result: SimResult) -> dict:
         "trace": cfg.trace,
         "fit": dataclasses.asdict(result.plan.fit),
         "preset": result.preset.name, "preset_description": result.preset.description,
-        "profile": result.preset.priced_by(),     # None: the roofline priced the steps
+        "profile": result.preset.priced_by(cfg.block_size),     # None: the roofline priced the steps
         "allocation": cfg.allocation, "batching": cfg.batching,
         "num_kv_token_slots": result.preset.num_kv_tokens() // cfg.block_size * cfg.block_size,
         "avg_batched_requests": kb["avg_batched_requests"],

@@ -150,3 +150,16 @@ def test_a_bad_profile_is_one_line_and_exit_2(tmp_path, profile_path):
                  "--out", str(tmp_path / "out"))
     assert ok.returncode == 0, ok.stderr
     assert f"priced by the profile {profile_path} (toy on cpu)" in ok.stdout
+
+
+def test_paper_with_a_profile_prices_the_block_size_as_measured(tmp_path, profile_path):
+    from pagedserve.loadgen.config import PaperConfig
+    from pagedserve.loadgen.paper import paper
+    report = paper(PaperConfig(out=str(tmp_path), num_requests=20, jobs=1, figures=["18b", "19"], plots=False,
+                               progress=False, profile=str(profile_path), kv_cache_gib=0.01))
+    text = (tmp_path / "paper.md").read_text()
+    assert "no block-size term" not in text and f"--profile {profile_path}" in text
+    # The factors the profile gives, clamped outside its 4..64: 1.5 at 1, 1 at 16, 1.2 at 256.
+    assert "1: 1.50" in text and "16: 1.00" in text and "256: 1.20" in text
+    assert "4: 14.0 / 12.0" in text              # its swap out / in per block at block 4, in us
+    assert set(report["figures"]) == {"18b", "19"}
