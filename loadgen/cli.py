@@ -1,7 +1,8 @@
 """`loadgen`: replay traces against any OpenAI-compatible server (`replay`), chat conversations of
 several turns (`multi-turn`), sweep request rates (`sweep`), put runs side by side (`compare`), and
 run the project's own scheduler and block store against a GPU cost model in virtual time
-(`simulate`). Options: loadgen.config; `loadgen CMD --help`.
+(`simulate`), and size a deployment from a machine's step profile (`plan`). Options:
+loadgen.config; `loadgen CMD --help`.
 
 A run that cannot start (server down, bad trace, bad flag) is one line on stderr and exit 2.
 """
@@ -12,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, ReplayConfig, SimulateConfig,
-                                       SweepConfig)
+from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, PlanConfig, ReplayConfig,
+                                       SimulateConfig, SweepConfig)
 from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
@@ -24,6 +25,8 @@ COMMANDS = {
     "compare": (CompareConfig, "several sweeps or replays on the same axes and in one table"),
     "simulate": (SimulateConfig, "the real scheduler and block store against a GPU cost model, in virtual time"),
     "paper": (PaperConfig, "the PagedAttention paper's figures on the simulator, beside the paper's"),
+    "plan": (PlanConfig, "from a step profile: the highest request rate a replica sustains within an SLO, per KV "
+                         "pool and block size, and the replicas a target rate needs"),
 }
 
 
@@ -101,6 +104,17 @@ def _run(command: str, cfg) -> int:
         done = f"{report['num_runs']} runs redrawn from {cfg.out}/runs.json" if cfg.replot else \
             f"{report['num_runs']} simulated runs in {report['wall_seconds']:.0f} s"
         print(f"{done}; report in {cfg.out}/paper.md")
+        return 0
+    if command == "plan":
+        from pagedserve.loadgen.plan import plan, table
+        try:
+            report = plan(cfg)
+        except ValueError as e:           # a profile it cannot use (step_profile.ProfileError)
+            raise ConfigError(str(e)) from None
+        print("\n".join(table(report)))
+        if report["replicas"] is not None:
+            print(f"{report['replicas']} replicas for {report['target_rate']:g} req/s")
+        print(f"plan in {cfg.out}/plan.md")
         return 0
     if command == "sweep":
         result = sweeps.sweep(cfg)

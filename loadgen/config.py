@@ -246,6 +246,64 @@ class PaperConfig:
                               "run (same --num-requests, --seed, --figures) instead of simulating")
 
 
+SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_slo(items: list[str]) -> list[tuple[str, float, float]]:
+    """['ttft_p99=500', 'tpot_p99=50'] -> [('ttft', 99.0, 500.0), ('tpot', 99.0, 50.0)]: (metric,
+    percentile, limit in ms) each, as loadgen.metrics names them."""
+    slo = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        metric, _, pct = name.partition("_p")
+        try:
+            p, ms = float(pct), float(value)
+        except ValueError:
+            p = ms = math.nan
+        if not sep or metric not in SLO_METRICS or not 0 < p < 100 or not ms > 0:
+            raise ValueError(f"{item!r}: expected METRIC_pP=MS with METRIC one of {', '.join(SLO_METRICS)}, "
+                             "0 < P < 100 and MS > 0 (e.g. ttft_p99=500)")
+        slo.append((metric, p, ms))
+    return slo
+
+
+def _slo(items) -> bool | str:
+    try:
+        return bool(parse_slo(items)) or "give at least one limit"
+    except ValueError as e:
+        return str(e)
+
+
+@dataclass
+class PlanConfig:
+    profile: str = opt(help="the step profile to plan on (loadgen profile's JSON): its model and machine")
+    slo: list[str] = opt(help="the SLO, METRIC_pP=MS each, e.g. ttft_p99=500,tpot_p99=50 (METRIC: ttft, tpot, "
+                              "itl, e2el)", check=_slo)
+    trace: str = opt("sharegpt", f"workload: one of {', '.join(TRACE_NAMES)}, or a JSONL file")
+    target_rate: float | None = opt(None, "requests per second to serve in all: how many replicas of the best "
+                                          "candidate that takes", check=_positive)
+    kv_cache_gib: list[float] = opt([], "KV pool sizes to try, GiB (default: one, room for --max-num-seqs "
+                                        "sequences of the model's whole context)",
+                                    check=lambda v: all(x > 0 for x in v) or "each must be > 0")
+    block_size: list[int] = opt([16], "KV block sizes to try", check=lambda v: bool(v) and all(b >= 1 for b in v)
+                                or "each must be >= 1")
+    # A candidate's bisection is ~7 simulated runs, and a plan should take minutes on 2 cores; but a
+    # run must hold several full batches (--max-num-seqs) for an overload's queue to show: 200 did
+    # not load a 256-sequence replica at all, 500 overstated its rate by ~50 % beside 2000, 1000 by ~10 %.
+    num_requests: int = opt(1000, "requests per simulated run (fewer overstate the rate: an overload's "
+                                  "queue has no time to grow)", check=_at_least(20))
+    seed: int = opt(0, "fixes every run's lengths, arrivals and prompts (the same at every rate)")
+    max_num_seqs: int = opt(256, "most sequences in a step", check=_at_least(1))
+    max_num_batched_tokens: int = opt(4096, "most tokens in a step", check=_at_least(1))
+    tolerance: float = opt(0.05, "bisect until the lowest rate that misses is within this share above the "
+                                 "highest that meets", check=lambda v: 0 < v < 1 or "must lie in (0, 1)")
+    out: str = opt("loadgen-plan", "folder for plan.json and plan.md")
+
+    @property
+    def slos(self) -> list[tuple[str, float, float]]:
+        return parse_slo(self.slo)
+
+
 # The hostile classes of the attack soak (loadgen/attacks.py holds one function per name). The
 # first ten are issue 28's audit findings; the rest probe the HTTP layer itself.
 ATTACK_CLASSES = ("tokenize_flood", "schema_enum", "schema_props", "schema_cache", "cross_key",

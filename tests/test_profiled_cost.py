@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pagedserve.loadgen import step_profile
-from pagedserve.loadgen.config import SimulateConfig
+from pagedserve.loadgen.config import PlanConfig, SimulateConfig
 from pagedserve.loadgen.cost_model import BlockMoves
 from pagedserve.loadgen.profiled_cost import ProfiledCost, interp1, interp2
 from pagedserve.loadgen.simulate import simulate, summary_of
@@ -163,3 +163,36 @@ def test_paper_with_a_profile_prices_the_block_size_as_measured(tmp_path, profil
     assert "1: 1.50" in text and "16: 1.00" in text and "256: 1.20" in text
     assert "4: 14.0 / 12.0" in text              # its swap out / in per block at block 4, in us
     assert set(report["figures"]) == {"18b", "19"}
+
+
+def test_plan_brackets_the_highest_rate_within_the_slo(tmp_path, profile_path):
+    from pagedserve.loadgen.plan import meets, plan, run_config, slo_keys
+    # The profile's unloaded decode step is ~2-3 ms: a 5 ms p99 TPOT binds well below capacity.
+    cfg = PlanConfig(profile=str(profile_path), slo=["ttft_p99=1000", "tpot_p99=5"], num_requests=40,
+                     kv_cache_gib=[0.01], target_rate=10.0, tolerance=0.1, out=str(tmp_path))
+    report = plan(cfg)
+    (row,) = report["candidates"]
+    rate, missed = row["rate"], row["misses_at"]
+    assert 0 < rate < missed <= rate * 1.1
+    # The bounds hold when simulated again: the rate found meets the SLO, the one above it misses.
+    limits = slo_keys(cfg)
+    assert limits == {"p99_ttft_ms": 1000.0, "p99_tpot_ms": 5.0}
+    assert meets(summary_of(simulate(run_config(cfg, 0.01, 16, rate))), limits)
+    assert not meets(summary_of(simulate(run_config(cfg, 0.01, 16, missed))), limits)
+    assert all(r["meets"] == (r["rate"] <= rate) for r in row["runs"])     # every run on its side
+    assert report["replicas"] == math.ceil(10.0 / rate) > 10.0 / rate
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["replicas"] == report["replicas"]
+    assert f"{report['replicas']} replicas (ceil(10 / {rate:.3g}))" in (tmp_path / "plan.md").read_text()
+    # An SLO that even every request at once meets: no limit in so few requests, and no replica count.
+    loose = plan(PlanConfig(profile=str(profile_path), slo=["ttft_p99=60000"], num_requests=40, kv_cache_gib=[0.01],
+                            block_size=[16, 32], target_rate=10.0, out=str(tmp_path)))
+    assert [math.isinf(r["rate"]) for r in loose["candidates"]] == [True, True] and loose["replicas"] is None
+    assert "Raise --num-requests" in (tmp_path / "plan.md").read_text()
+
+
+def test_plan_refuses_a_bad_slo_and_a_bad_profile(tmp_path, profile_path):
+    r = run_cli("plan", "--profile", str(profile_path), "--slo", "ttft=500", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--slo" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = run_cli("plan", "--profile", str(tmp_path / "missing.json"), "--slo", "ttft_p99=500", "--out", str(tmp_path))
+    assert r.returncode == 2 and "missing.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
