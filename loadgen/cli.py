@@ -1,7 +1,9 @@
 """`loadgen`: replay traces against any OpenAI-compatible server (`replay`), chat conversations of
 several turns (`multi-turn`), sweep request rates (`sweep`), put runs side by side (`compare`), and
 run the project's own scheduler and block store against a GPU cost model in virtual time
-(`simulate`), and measure what one engine step costs on this machine (`profile`). Options:
+(`simulate`), measure what one engine step costs on this machine (`profile`), size a deployment
+from a machine's step profile (`plan`), and check the simulator against the real stack
+(`fidelity`). Options:
 loadgen.config; `loadgen CMD --help`.
 
 A run that cannot start (server down, bad trace, bad flag) is one line on stderr and exit 2.
@@ -13,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, ProfileConfig, ReplayConfig,
-                                       SimulateConfig, SweepConfig)
+from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, PlanConfig, ProfileConfig,
+                                       ReplayConfig, SimulateConfig, SweepConfig)
 from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
@@ -27,6 +29,8 @@ COMMANDS = {
     "paper": (PaperConfig, "the PagedAttention paper's figures on the simulator, beside the paper's"),
     "profile": (ProfileConfig, "what one engine step costs here (decode, prefill, block size, swaps, copies), "
                                "measured on a real model: a step profile for simulate"),
+    "plan": (PlanConfig, "from a step profile: the highest request rate a replica sustains within an SLO, per KV "
+                         "pool and block size, and the replicas a target rate needs"),
 }
 FILE_OUT = {"profile"}    # commands whose --out is one file, not a folder
 
@@ -99,7 +103,7 @@ def _run(command: str, cfg) -> int:
               f"{s['request_throughput']:.2f} req/s, normalized latency {s['mean_normalized_latency_s_per_token']:.3f} "
               f"s/token, {s['avg_batched_requests']:.2f} requests batched, token states "
               f"{100 * s['kv_token_share']:.1f} % of the KV cache (while saturated: {s['saturated']['avg_batched_requests']:.2f}"
-              f" and {100 * s['saturated']['kv_token_share']:.1f} %); summary in {cfg.out}/summary.json")
+              f" and {100 * s['saturated']['kv_token_share']:.1f} %){_priced_by(s)}; summary in {cfg.out}/summary.json")
         return 0
     if command == "paper":
         from pagedserve.loadgen.paper import paper
@@ -116,6 +120,17 @@ def _run(command: str, cfg) -> int:
         print(f"step profile of {raw['model']['name']} on {raw['machine']['device']} in {raw['took_s']:.0f} s: "
               f"{cfg.out}" + (f" ({len(raw['notes'])} notes in it)" if raw["notes"] else ""))
         return 0
+    if command == "plan":
+        from pagedserve.loadgen.plan import plan, table
+        try:
+            report = plan(cfg)
+        except ValueError as e:           # a profile it cannot use (step_profile.ProfileError)
+            raise ConfigError(str(e)) from None
+        print("\n".join(table(report)))
+        if report["replicas"] is not None:
+            print(f"{report['replicas']} replicas for {report['target_rate']:g} req/s")
+        print(f"plan in {cfg.out}/plan.md")
+        return 0
     if command == "sweep":
         result = sweeps.sweep(cfg)
         for row in result["rows"]:
@@ -126,6 +141,15 @@ def _run(command: str, cfg) -> int:
     sweeps.compare(cfg)
     print(f"comparison in {cfg.out}/compare.md")
     return 0
+
+
+def _priced_by(s: dict) -> str:
+    """Which profile priced a simulated run (nothing for the roofline's)."""
+    p = s["profile"]
+    if p is None:
+        return ""
+    machine = p["machine"].get("device") or p["machine"].get("hostname")
+    return f"; steps priced by the profile {p['path']} ({p['model']['name'] or p['model']['path']} on {machine})"
 
 
 def _one_line(s: dict) -> str:

@@ -199,7 +199,10 @@ class SimulateConfig:
     gpu_flops: float = opt(312e12, "custom: peak fp16 FLOP/s per GPU", check=_positive)
     gpu_mem_bw: float = opt(1.555e12, "custom: memory bytes/s per GPU", check=_positive)
     num_gpus: int = opt(1, "custom: GPUs (tensor parallel)", check=_at_least(1))
-    kv_cache_gib: float | None = opt(None, "KV pool in GiB (default: the preset's)", check=_positive)
+    profile: str | None = opt(None, "a step profile (loadgen profile's JSON): its model, each step's time as "
+                                    "that machine measured it (instead of the preset and its roofline)")
+    kv_cache_gib: float | None = opt(None, "KV pool in GiB (default: the preset's; with --profile room for "
+                                           "--max-num-seqs sequences of the model's whole context)", check=_positive)
     allocation: str = opt("paged", "the block store's policy", choices=ALLOCATION_NAMES)
     batching: str = opt("iteration", "iteration, or request (FasterTransformer: with orca-max)",
                         choices=("iteration", "request"))
@@ -234,10 +237,72 @@ class PaperConfig:
     jobs: int = opt(2, "simulations run at once (processes)", check=_at_least(1))
     figures: list[str] = opt(["2", "12", "13", "15", "16", "18b", "19"], "which of the paper's figures to run")
     seed: int = opt(11, "the workload seed of every run")
+    profile: str | None = opt(None, "price every run's steps by this step profile (loadgen profile's JSON) "
+                                    "instead of the roofline for OPT-13B on an A100")
+    kv_cache_gib: float | None = opt(None, "every run's KV pool in GiB (default: the preset's 12 GiB; with "
+                                           "--profile, room for 256 whole contexts)", check=_positive)
     plots: bool = opt(True, "write PNG plots (matplotlib)")
     progress: bool = opt(True, "a line on stderr as each run ends: runs done / total, elapsed, time left")
     replot: bool = opt(False, "redraw paper.md, paper.json and the plots from --out's runs.json of an earlier "
                               "run (same --num-requests, --seed, --figures) instead of simulating")
+
+
+SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_slo(items: list[str]) -> list[tuple[str, float, float]]:
+    """['ttft_p99=500', 'tpot_p99=50'] -> [('ttft', 99.0, 500.0), ('tpot', 99.0, 50.0)]: (metric,
+    percentile, limit in ms) each, as loadgen.metrics names them."""
+    slo = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        metric, _, pct = name.partition("_p")
+        try:
+            p, ms = float(pct), float(value)
+        except ValueError:
+            p = ms = math.nan
+        if not sep or metric not in SLO_METRICS or not 0 < p < 100 or not ms > 0:
+            raise ValueError(f"{item!r}: expected METRIC_pP=MS with METRIC one of {', '.join(SLO_METRICS)}, "
+                             "0 < P < 100 and MS > 0 (e.g. ttft_p99=500)")
+        slo.append((metric, p, ms))
+    return slo
+
+
+def _slo(items) -> bool | str:
+    try:
+        return bool(parse_slo(items)) or "give at least one limit"
+    except ValueError as e:
+        return str(e)
+
+
+@dataclass
+class PlanConfig:
+    profile: str = opt(help="the step profile to plan on (loadgen profile's JSON): its model and machine")
+    slo: list[str] = opt(help="the SLO, METRIC_pP=MS each, e.g. ttft_p99=500,tpot_p99=50 (METRIC: ttft, tpot, "
+                              "itl, e2el)", check=_slo)
+    trace: str = opt("sharegpt", f"workload: one of {', '.join(TRACE_NAMES)}, or a JSONL file")
+    target_rate: float | None = opt(None, "requests per second to serve in all: how many replicas of the best "
+                                          "candidate that takes", check=_positive)
+    kv_cache_gib: list[float] = opt([], "KV pool sizes to try, GiB (default: one, room for --max-num-seqs "
+                                        "sequences of the model's whole context)",
+                                    check=lambda v: all(x > 0 for x in v) or "each must be > 0")
+    block_size: list[int] = opt([16], "KV block sizes to try", check=lambda v: bool(v) and all(b >= 1 for b in v)
+                                or "each must be >= 1")
+    # A candidate's bisection is ~7 simulated runs, and a plan should take minutes on 2 cores; but a
+    # run must hold several full batches (--max-num-seqs) for an overload's queue to show: 200 did
+    # not load a 256-sequence replica at all, 500 overstated its rate by ~50 % beside 2000, 1000 by ~10 %.
+    num_requests: int = opt(1000, "requests per simulated run (fewer overstate the rate: an overload's "
+                                  "queue has no time to grow)", check=_at_least(20))
+    seed: int = opt(0, "fixes every run's lengths, arrivals and prompts (the same at every rate)")
+    max_num_seqs: int = opt(256, "most sequences in a step", check=_at_least(1))
+    max_num_batched_tokens: int = opt(4096, "most tokens in a step", check=_at_least(1))
+    tolerance: float = opt(0.05, "bisect until the lowest rate that misses is within this share above the "
+                                 "highest that meets", check=lambda v: 0 < v < 1 or "must lie in (0, 1)")
+    out: str = opt("loadgen-plan", "folder for plan.json and plan.md")
+
+    @property
+    def slos(self) -> list[tuple[str, float, float]]:
+        return parse_slo(self.slo)
 
 
 # The hostile classes of the attack soak (loadgen/attacks.py holds one function per name). The

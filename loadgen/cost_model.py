@@ -2,7 +2,9 @@
 
 A step takes the larger of its compute time and its memory time, plus a fixed overhead (kernel
 launches, the sampler, the host side of the engine), plus, with tensor parallelism, two all-reduces
-per layer (after attention and after the MLP), plus the step's swap traffic over the host link.
+per layer (after attention and after the MLP), plus the step's swap traffic over the host link
+(bytes at the link's bandwidth and a fixed latency per block copied) and its copy-on-write copies
+(each block read and written once at HBM bandwidth).
 
 - compute: 2 FLOPs per weight per token (the dense layers), 2 * vocab * hidden per sampled row
   (the LM head runs only on rows that sample), and the attention scores and weighted sums:
@@ -17,8 +19,30 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 ACTIVATION_PASSES = 16   # hidden-sized reads+writes per token per layer (norms, residuals, QKV, MLP)
+# A swapped block is one cudaMemcpyAsync between the device pool and the pinned host pool (the
+# kvstore copies one block row, every layer's K and V, at a time: kvstore/pool.py copy_between), and
+# a PCIe copy costs a fixed ~10 us beyond its bytes (the driver's launch, DMA setup and completion;
+# small pinned copies measure 5-15 us). Charged per block, an upper bound where runs of consecutive
+# blocks merge into one copy. Beside an OPT-13B block's bytes it is small (16 tokens are 12.8 MB,
+# 0.5 ms at 25 GB/s); the paper's slow small-block swaps (Fig. 19) come from vLLM's layout of the
+# time, one copy per block per layer for K and for V (80 per OPT-13B block), which a row per block
+# does not have.
+PCIE_BLOCK_LATENCY_S = 10e-6
+
+
+class BlockMoves(NamedTuple):
+    """A step's block copies by kind, as the block store's op results give them."""
+    swap_out: int = 0     # device pool -> host pool
+    swap_in: int = 0      # host pool -> device pool
+    copied: int = 0       # copy-on-write, device -> device
+
+    @classmethod
+    def of(cls, blocks: "int | BlockMoves") -> "BlockMoves":
+        """A plain int (step_time's older form) is that many blocks swapped, counted as swap-outs."""
+        return blocks if isinstance(blocks, BlockMoves) else cls(swap_out=blocks)
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,7 @@ class Hardware:
     link_bw: float = 300e9       # all-reduce bus bytes/s per GPU (NVLink)
     link_latency_s: float = 8e-6  # per all-reduce
     host_bw: float = 25e9        # swap traffic, bytes/s over PCIe
+    swap_block_latency_s: float = 0.0   # fixed cost per block swapped (PCIE_BLOCK_LATENCY_S on real GPUs)
     step_overhead_s: float = 2e-3
     compute_efficiency: float = 0.6
     memory_efficiency: float = 0.8
@@ -85,9 +110,24 @@ class Preset:
     def num_kv_tokens(self) -> int:
         return self.kv_cache_bytes // self.model.kv_bytes_per_token
 
+    # What `loadgen simulate` reads of any server it simulates (profiled_cost.ProfiledServer too).
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def priced_by(self, block_size: int) -> None:
+        return None              # the roofline, not a measured profile (ProfiledServer.priced_by)
+
+    def cost_model(self) -> "CostModel":
+        return CostModel(self)
+
 
 GiB = 1 << 30
-A100_40G = Hardware("A100-40GB", 1, 312e12, 1.555e12)
+A100_40G = Hardware("A100-40GB", 1, 312e12, 1.555e12, swap_block_latency_s=PCIE_BLOCK_LATENCY_S)
 OPT_13B = ModelShape("OPT-13B", 40, 5120, 20480, 50272)
 OPT_66B = ModelShape("OPT-66B", 64, 9216, 36864, 50272)
 OPT_175B = ModelShape("OPT-175B", 96, 12288, 49152, 50272)
@@ -104,7 +144,8 @@ PRESETS = {
 
 def custom_preset(config_json: str, flops: float, mem_bw: float, kv_cache_bytes: int, num_gpus: int = 1) -> Preset:
     model = ModelShape.from_config(config_json)
-    return Preset("custom", model, Hardware("custom", num_gpus, flops, mem_bw), kv_cache_bytes,
+    hardware = Hardware("custom", num_gpus, flops, mem_bw, swap_block_latency_s=PCIE_BLOCK_LATENCY_S)
+    return Preset("custom", model, hardware, kv_cache_bytes,
                   f"{model.name} from {config_json}")
 
 
@@ -112,10 +153,11 @@ class CostModel:
     def __init__(self, preset: Preset):
         self.model, self.hw = preset.model, preset.hardware
 
-    def step_time(self, seqs: list[tuple[int, int]], num_sampled: int, swap_blocks: int = 0,
+    def step_time(self, seqs: list[tuple[int, int]], num_sampled: int, swap_blocks: int | BlockMoves = 0,
                   block_tokens: int = 16) -> float:
         """Seconds for one step. seqs: (query tokens, context tokens including them) per sequence;
-        num_sampled: rows that run the LM head; swap_blocks: blocks copied to or from the host."""
+        num_sampled: rows that run the LM head; swap_blocks: the blocks copied to or from the host
+        (an int) or the step's BlockMoves (swaps and copy-on-write copies)."""
         m, hw = self.model, self.hw
         tokens = sum(q for q, _ in seqs)
         # Query token j of a chunk of q ending at position ctx attends to ctx - q + j + 1 keys.
@@ -132,6 +174,10 @@ class CostModel:
         if n > 1 and tokens:
             ring = 2 * (n - 1) / n * tokens * m.hidden * m.dtype_bytes / hw.link_bw + hw.link_latency_s
             t += 2 * m.num_layers * ring
-        if swap_blocks:
-            t += swap_blocks * block_tokens * kv_token / hw.host_bw
+        moves, block_bytes = BlockMoves.of(swap_blocks), block_tokens * kv_token
+        swapped = moves.swap_out + moves.swap_in       # the same link and bytes either way
+        if swapped:
+            t += swapped * (block_bytes / hw.host_bw + hw.swap_block_latency_s)
+        if moves.copied:   # read and write each block; a tensor-parallel GPU copies its own shard
+            t += moves.copied * 2 * block_bytes / (n * hw.mem_bw * hw.memory_efficiency)
         return t

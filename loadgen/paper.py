@@ -1,6 +1,7 @@
 """`loadgen paper`: the PagedAttention paper's experiments (Kwon et al., SOSP 2023) run on the
-simulator (`loadgen simulate`: our Scheduler and BlockStore, a cost model for the GPU), written as
-one markdown report with our figure beside the paper's.
+simulator (`loadgen simulate`: our Scheduler and BlockStore, a cost model for the GPU, or with
+--profile a machine's measured step times), written as one markdown report with our figure beside
+the paper's.
 
 Every run is a SimulateConfig; runs are shared between figures where the paper's are (Fig. 2 and
 Fig. 13 are points of Fig. 12's sweeps). The paper's figures below are quoted from its text and
@@ -58,7 +59,8 @@ def _run(item: tuple[str, SimulateConfig]) -> tuple[str, dict]:
 
 def plan_runs(cfg: PaperConfig) -> dict[str, SimulateConfig]:
     n, figs = cfg.num_requests, set(cfg.figures)
-    base = SimulateConfig(num_requests=n, seed=cfg.seed, preset="opt-13b-a100-40g")
+    base = SimulateConfig(num_requests=n, seed=cfg.seed, preset="opt-13b-a100-40g", profile=cfg.profile,
+                          kv_cache_gib=cfg.kv_cache_gib)
     runs: dict[str, SimulateConfig] = {}
 
     def add(key: str, **kw) -> None:
@@ -119,11 +121,12 @@ def paper(cfg: PaperConfig) -> dict:
             figures[fig] = data
     wall = wall if wall is not None else time.perf_counter() - started
     head = ["# The PagedAttention paper's experiments, simulated", "",
-            f"OPT-13B on one A100-40GB (`loadgen simulate --preset opt-13b-a100-40g`: 26 GB of weights, "
-            f"12 GiB of KV = 15.7K token slots) unless a figure says otherwise; {len(runs)} simulated runs, "
+            f"{_server_line(results, cfg)} unless a figure says otherwise; {len(runs)} simulated runs, "
             f"{cfg.num_requests} requests each (Alpaca x{ALPACA_SCALE}), seed {cfg.seed}, in {wall:.0f} s. "
-            "The scheduler and block store are the ones that serve; only the GPU is a cost model "
-            "(loadgen/cost_model.py). 'Saturated' figures average only the time while requests waited.", ""]
+            "The scheduler and block store are the ones that serve; only the GPU is priced, "
+            + ("by the profile's measured steps (loadgen/profiled_cost.py). " if cfg.profile else
+               "by a cost model (loadgen/cost_model.py). ")
+            + "'Saturated' figures average only the time while requests waited.", ""]
     (out / "paper.md").write_text("\n".join(head + sections) + "\n")
     report = {"figures": figures, "wall_seconds": wall, "num_runs": len(runs)}
     (out / "paper.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
@@ -152,6 +155,11 @@ def _clock(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
+# What a saved run must share with the one asked for to be redrawn (older runs.json lack profile
+# and kv_cache_gib: .get gives None, the defaults).
+SAME_OPTIONS = ("num_requests", "seed", "profile", "kv_cache_gib")
+
+
 def _saved_runs(out: Path, runs: dict[str, SimulateConfig]) -> tuple[dict[str, dict], float | None]:
     """--replot: the summaries of an earlier `loadgen paper --out OUT` (runs.json) and how long it
     took, to redraw its figures and report without simulating again."""
@@ -160,10 +168,11 @@ def _saved_runs(out: Path, runs: dict[str, SimulateConfig]) -> tuple[dict[str, d
     except (OSError, ValueError) as e:
         raise ConfigError(f"--replot: no runs to redraw in {out / 'runs.json'} ({e})") from None
     other = [key for key, run in runs.items() if key not in results
-             or any(results[key]["options"].get(k) != getattr(run, k) for k in ("num_requests", "seed"))]
+             or any(results[key]["options"].get(k) != getattr(run, k) for k in SAME_OPTIONS)]
     if other:
         raise ConfigError(f"--replot: {out / 'runs.json'} lacks {len(other)} of the runs these figures need, "
-                          f"or ran them with another --num-requests or --seed (first {other[0]}); "
+                          f"or ran them with another --num-requests or --seed (or --profile, --kv-cache-gib) "
+                          f"(first {other[0]}); "
                           "run without --replot")
     try:
         wall = float(json.loads((out / "paper.json").read_text())["wall_seconds"])
@@ -184,6 +193,29 @@ def _ratio(a: float, b: float) -> str:
 
 def _off(ours: float, theirs: float) -> bool:
     return theirs and abs(ours - theirs) / theirs > 0.10
+
+
+def _server_line(results: dict, cfg: PaperConfig) -> str:
+    """What every run simulated, for the report's first line."""
+    if not results:
+        return "No runs"
+    slots = _slots(results)
+    if cfg.profile:
+        return (f"{_setup(results)} as `loadgen simulate --profile {cfg.profile}` measured it "
+                f"({slots / 1000:.1f}K token slots of KV)")
+    if cfg.kv_cache_gib is not None:
+        return f"OPT-13B on one A100-40GB with {cfg.kv_cache_gib:g} GiB of KV ({slots / 1000:.1f}K token slots)"
+    return ("OPT-13B on one A100-40GB (`loadgen simulate --preset opt-13b-a100-40g`: 26 GB of weights, "
+            "12 GiB of KV = 15.7K token slots)")
+
+
+def _profiled(results: dict) -> dict | None:
+    """The profile that priced the runs (the summaries' "profile"), or None: the roofline did."""
+    return next(iter(results.values()))["profile"] if results else None
+
+
+def _slots(results: dict) -> int:
+    return next(iter(results.values()))["num_kv_token_slots"]
 
 
 def _setup(results: dict) -> str:
@@ -243,10 +275,12 @@ def fig12(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                          + f" | {held[name] if held[name] is not None else '< ' + format(rates[0], 'g')} |")
         v, o, m = held.get(NAMES["paged"]), held.get(NAMES["orca-oracle"]), held.get(NAMES["orca-max"])
         if v and o and m:
+            why = (f"Our absolute rates are those of {_setup(results)}'s measured steps, not the paper's GPU"
+                   if _profiled(results) else "Our absolute rates are higher than the paper's: the cost model's "
+                   "step is faster than the paper's measured one (see Fig. 13), so every system saturates later")
             lines += ["", f"Sustained rate, ours: vLLM / Orca (Oracle) = {v / o:.2f}x, vLLM / Orca (Max) = "
-                      f"{v / m:.2f}x (on the rates tried). Paper: {PAPER['fig12_ratio']}. Our absolute rates "
-                      "are higher than the paper's: the cost model's step is faster than the paper's measured "
-                      "one (see Fig. 13), so every system saturates later; the ratios are set by memory."]
+                      f"{v / m:.2f}x (on the rates tried). Paper: {PAPER['fig12_ratio']}. {why}; the ratios "
+                      "are set by memory."]
         if plots:
             from pagedserve.loadgen.plots import rate_plot
             png = rate_plot(series, out / f"fig12_{trace}.png",
@@ -278,11 +312,13 @@ def fig13(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
                      + f" | {paper['paged'] / paper['orca-oracle']:.2f} | {paper['paged'] / paper['orca-max']:.2f} |")
     lines += ["", "Where ours differ from the paper's by more than 10 %: at the paper's rates the batch depends "
               "on how long requests run (Little's law: rate x time in the system; our vLLM is not saturated "
-              "at 2 req/s, its normalized latency is the unloaded one), which the cost model's step time sets "
-              "(ours: a roofline at 60 % of "
-              "peak FLOPs and 80 % of HBM bandwidth plus 2 ms a step; the paper measured its kernels), and on "
+              "at 2 req/s, its normalized latency is the unloaded one), which the step time sets "
+              + (f"(ours: the steps {_setup(results)} measured; the paper's: its kernels on an A100), and on "
+                 if _profiled(results) else "(ours: a roofline at 60 % of peak FLOPs and 80 % of HBM bandwidth "
+                 "plus 2 ms a step; the paper measured its kernels), and on ") +
               "the length distributions (fitted log-normals, not the paper's samples). The saturated rows are "
-              "memory arithmetic: what fits in 15.7K slots, so the batch ratio follows the token-state shares of "
+              f"memory arithmetic: what fits in {_slots(results) / 1000:.1f}K slots, so the batch ratio follows the "
+              "token-state shares of "
               "Fig. 2 (ours 97 % / 50 % for vLLM / Oracle, the paper's 96 % / 38 %): our Oracle wastes less "
               "than the paper's, for the reasons given under Fig. 2.", ""]
     if plots:
@@ -336,10 +372,23 @@ def fig18b(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
     lines = ["## Fig. 18b: block size (normalized latency, s/token, at the paper's rates)", "",
              "| trace | " + " | ".join(str(b) for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
     lines += [f"| {t} @ {PAPER_RATE[t]:g} | " + " | ".join(f"{data[t][b]:.3f}" for b in sizes) + " |" for t in data]
-    lines += ["", f"Paper: {PAPER['fig18b']}. The cost model has no block-size term for the attention kernel, so "
-              "small blocks cost nothing here; only memory effects (internal fragmentation of large blocks) "
-              "show.", ""]
+    lines += ["", f"Paper: {PAPER['fig18b']}. " + _block_cost_text(results, sizes), ""]
     return "\n".join(lines), data
+
+
+def _block_cost_text(results: dict, sizes: tuple[int, ...]) -> str:
+    """What the step prices charge for the block size, under Fig. 18b."""
+    if not _profiled(results):
+        return ("The roofline has no block-size term for the attention kernel (no measured efficiency to "
+                "base one on), so small blocks cost nothing here; only memory effects (internal "
+                "fragmentation of large blocks) show. `loadgen paper --profile` prices it as measured.")
+    trace = next(iter(PAPER_RATE))
+    factor = {b: results[f"fig18b/{trace}/{b}"]["profile"]["at_block_size"]["decode_factor"] for b in sizes}
+    own = _profiled(results)["block_size"]
+    return (f"Decode steps are priced by the profile, times its measured block-size factor (1 at its own "
+            f"block size {own}; outside the sizes it measured the nearest one's): "
+            + ", ".join(f"{b}: {factor[b]:.2f}" for b in sizes)
+            + ". So small blocks' slower attention shows beside the memory effects of large ones.")
 
 
 def fig19(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
@@ -350,9 +399,23 @@ def fig19(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
     lines = ["## Fig. 19: swap vs recompute (ShareGPT at 3 req/s, normalized latency s/token; preemptions)", "",
              "| mode | " + " | ".join(f"block {b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
     lines += [f"| {m} | " + " | ".join(f"{data[m][b]:.3f} ({pre[m][b]})" for b in sizes) + " |" for m in data]
-    lines += ["", f"Paper: {PAPER['fig19']}. Swap traffic is charged at 25 GB/s whatever the block size (no "
-              "per-copy cost), so ours cannot show small blocks' slow swaps.", ""]
+    ratio = " ".join(f"{_ratio(data['swap'][b], data['recompute'][b])} at block {b}," for b in sizes).rstrip(",")
+    lines += ["", f"Paper: {PAPER['fig19']}. Ours, swap / recompute: {ratio}. " + _swap_cost_text(results, sizes), ""]
     return "\n".join(lines), data
+
+
+def _swap_cost_text(results: dict, sizes: tuple[int, ...]) -> str:
+    """What a swapped block costs in these runs, under Fig. 19. Recompute is a prefill again either way."""
+    if not _profiled(results):
+        return ("Swaps are charged by the roofline: each block's bytes at 25 GB/s plus 10 us a block (one "
+                "PCIe copy per block row). An OPT-13B block is large (4 tokens are 3.2 MB, 128 us), so the "
+                "fixed cost adds little even at block 4; the paper's small-block penalty came from one copy per "
+                "block per layer for K and for V, 80 per block, which our KV layout does not make.")
+    at = {b: results[f"fig19/swap/{b}"]["profile"]["at_block_size"] for b in sizes}
+    per = ", ".join(f"{b}: {1e6 * at[b]['swap_out_s_per_block']:.1f} / {1e6 * at[b]['swap_in_s_per_block']:.1f}"
+                    for b in sizes)
+    return (f"Swaps are priced per block as the profile measured them (swap out / in, us a block, by block "
+            f"size: {per}); recompute is the prompt prefilled again, priced by its prefill grid.")
 
 
 FIGURES = {"2": fig2, "12": fig12, "13": fig13, "15": fig15, "16": fig16, "18b": fig18b, "19": fig19}

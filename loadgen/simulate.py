@@ -1,9 +1,11 @@
 """`loadgen simulate`: the project's own Scheduler and BlockStore, unchanged, driven in virtual time
-by a worker that computes nothing and charges each step what loadgen.cost_model says a GPU takes.
+by a worker that computes nothing and charges each step what loadgen.cost_model says a GPU takes,
+or, with --profile, what a machine measured (loadgen.profiled_cost).
 
 Nothing here schedules: requests go in through Scheduler.add_request at their arrival times, every
 step is Scheduler.schedule(), the store is the kvstore's BlockStore behind the same op-log recorder
-the served scheduler plans on (its swap results say how many blocks crossed the host link), and the
+the served scheduler plans on (its swap results say which blocks crossed the host link, its append
+results which blocks were copied on write), and the
 sampled tokens go back through Scheduler.update. The clock the scheduler reads is the virtual one,
 so its time stamps (first token, finish) and its time-averaged KV split are in simulated seconds.
 Outputs run to their trace length (ignore_eos), so the simulated tokens' values do not matter.
@@ -21,8 +23,9 @@ from pagedserve.kvstore.replay import RecordingStore
 from pagedserve.kvstore.store import BlockStore
 from pagedserve.loadgen.client import RequestRecord
 from pagedserve.loadgen.config import SimulateConfig
-from pagedserve.loadgen.cost_model import GiB, PRESETS, CostModel, Preset, custom_preset
+from pagedserve.loadgen.cost_model import GiB, PRESETS, BlockMoves, Preset, custom_preset
 from pagedserve.loadgen.metrics import summarize
+from pagedserve.loadgen.profiled_cost import ProfiledServer
 from pagedserve.loadgen.report import write_run
 from pagedserve.loadgen.traces import load_trace
 from pagedserve.loadgen.workload import Plan, build_plan
@@ -36,7 +39,7 @@ FIRST_TOKEN_ID, VOCAB = 10, 50000
 @dataclass
 class SimResult:
     config: SimulateConfig
-    preset: Preset
+    preset: Preset | ProfiledServer
     plan: Plan
     records: list[RequestRecord]
     kv_breakdown: dict
@@ -46,7 +49,12 @@ class SimResult:
     notes: list[str] = field(default_factory=list)
 
 
-def preset_of(cfg: SimulateConfig) -> Preset:
+def preset_of(cfg: SimulateConfig) -> Preset | ProfiledServer:
+    """The simulated server: a preset priced by the roofline, or with --profile the profiled
+    model priced by its measured steps (step_profile.ProfileError for a profile it cannot use)."""
+    if cfg.profile:
+        pool = int(cfg.kv_cache_gib * GiB) if cfg.kv_cache_gib is not None else None
+        return ProfiledServer.load(cfg.profile, pool, cfg.max_num_seqs)
     if cfg.preset == "custom":
         if not cfg.model_config:
             raise ValueError("--preset custom needs --model-config (a config.json)")
@@ -95,18 +103,18 @@ def _draws(samples) -> list[SampleResult]:
 def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = None) -> SimResult:
     started = time.perf_counter()
     preset = preset_of(cfg)
-    max_len = preset.model.max_model_len
+    max_len = preset.max_model_len
     plan = make_workload(cfg, max_len)
     bs = cfg.block_size
     num_blocks = preset.num_kv_tokens() // bs
-    host_blocks = int(cfg.swap_space_gib * GiB) // (preset.model.kv_bytes_per_token * bs)
+    host_blocks = int(cfg.swap_space_gib * GiB) // (preset.kv_bytes_per_token * bs)
     store = RecordingStore(num_blocks, host_blocks, bs, enable_prefix_caching=cfg.prefix_caching,
                                       policy=make_policy(cfg.allocation, max_len))
     now = [0.0]
     # kv_usage_interval_s=0: the KV split is sampled at every step (of the virtual clock).
     sched = Scheduler(scheduler_config or SchedulerConfig.of(cfg, max_model_len=max_len, kv_usage_interval_s=0.0),
                       store, clock=lambda: now[0])
-    cost = CostModel(preset)
+    cost = preset.cost_model()
     requests = plan.requests
     records = {r.index: RequestRecord(r.index, r.arrival, r.input_len, r.output_len, r.prefix_blocks, send=r.arrival)
                for r in requests}
@@ -128,7 +136,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
             now[0] = requests[nxt].arrival
             continue
         step = sched.schedule()
-        swapped = _swap_blocks(*store.drain())   # the op log a served scheduler sends its kvstore
+        moves = _block_moves(*store.drain())   # the op log a served scheduler sends its kvstore
         if step.is_empty:   # nothing fits now (the requests it aborted, if any, still finish)
             _record(sched, sched.update(step, []), records, rid_of)
             if sched.has_unfinished():
@@ -137,7 +145,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                 now[0] = max(now[0], requests[nxt].arrival)
             continue
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in step.steps]
-        now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), swapped, bs)
+        now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), moves, bs)
         steps += 1
         for req, wanted in zip(step.step_requests, step.samples):
             if wanted:
@@ -147,8 +155,18 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                      dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes))
 
 
-def _swap_blocks(ops: list[list], results: list) -> int:
-    return sum(len(r[1]) for op, r in zip(ops, results) if op[0] in ("swap_out", "swap_in"))
+def _block_moves(ops: list[list], results: list) -> BlockMoves:
+    """What a step's op log copied: a swap's result maps each block it moved, an append's lists
+    its copy-on-write copies (replay.encode_result's wire forms)."""
+    out = back = copied = 0
+    for op, r in zip(ops, results):
+        if op[0] == "swap_out":
+            out += len(r[1])
+        elif op[0] == "swap_in":
+            back += len(r[1])
+        elif op[0] in ("append_slots", "append_tokens"):
+            copied += len(r[1])
+    return BlockMoves(out, back, copied)
 
 
 def _record(sched: Scheduler, finished: list, records: dict, rid_of: dict) -> None:
@@ -170,8 +188,8 @@ def summary_of(result: SimResult) -> dict:
     figures = summarize(result.records, cfg.percentiles)
     return {
         **figures,
-        "label": cfg.label or f"{cfg.preset} {cfg.allocation}{' request-batching' if cfg.batching == 'request' else ''}, "
-                              f"{cfg.trace}",
+        "label": cfg.label or f"{result.preset.name} {cfg.allocation}"
+                              f"{' request-batching' if cfg.batching == 'request' else ''}, {cfg.trace}",
         "interrupted": False,
         "num_prompts": len(result.records),
         "request_rate": cfg.rate,
@@ -179,6 +197,7 @@ def summary_of(result: SimResult) -> dict:
         "trace": cfg.trace,
         "fit": dataclasses.asdict(result.plan.fit),
         "preset": result.preset.name, "preset_description": result.preset.description,
+        "profile": result.preset.priced_by(cfg.block_size),     # None: the roofline priced the steps
         "allocation": cfg.allocation, "batching": cfg.batching,
         "num_kv_token_slots": result.preset.num_kv_tokens() // cfg.block_size * cfg.block_size,
         "avg_batched_requests": kb["avg_batched_requests"],
