@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedserve.loadgen.config import (CompareConfig, MultiTurnConfig, PaperConfig, PlanConfig, ProfileConfig,
-                                       ReplayConfig, SimulateConfig, SweepConfig)
+from pagedserve.loadgen.config import (CompareConfig, FidelityConfig, MultiTurnConfig, PaperConfig, PlanConfig,
+                                       ProfileConfig, ReplayConfig, SimulateConfig, SweepConfig)
 from pagedserve.services.flags import ConfigError, add_flags, from_args
 
 COMMANDS = {
@@ -31,6 +31,8 @@ COMMANDS = {
                                "measured on a real model: a step profile for simulate"),
     "plan": (PlanConfig, "from a step profile: the highest request rate a replica sustains within an SLO, per KV "
                          "pool and block size, and the replicas a target rate needs"),
+    "fidelity": (FidelityConfig, "the same requests against a real stack and the simulator (with a step profile "
+                                 "of this machine): each figure's error"),
 }
 FILE_OUT = {"profile"}    # commands whose --out is one file, not a folder
 
@@ -119,6 +121,15 @@ def _run(command: str, cfg) -> int:
         save(raw, cfg.out)
         print(f"step profile of {raw['model']['name']} on {raw['machine']['device']} in {raw['took_s']:.0f} s: "
               f"{cfg.out}" + (f" ({len(raw['notes'])} notes in it)" if raw["notes"] else ""))
+        return 0
+    if command == "fidelity":
+        from pagedserve.loadgen.fidelity import fidelity
+        from pagedserve.loadgen.step_profile import ProfileError
+        try:
+            report = fidelity(cfg)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
+        print(f"{'every bound met' if report['met'] else 'a bound missed'}; report in {cfg.out}/fidelity.md")
         return 0
     if command == "plan":
         from pagedserve.loadgen.plan import plan, table

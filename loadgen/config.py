@@ -212,6 +212,9 @@ class SimulateConfig:
     prefix_caching: bool = opt(True, "prefix caching (always off under the Orca policies)")
     max_num_seqs: int = opt(256, "most sequences in a step", check=_at_least(1))
     max_num_batched_tokens: int = opt(4096, "most tokens in a step", check=_at_least(1))
+    async_scheduling: bool = opt(False, "plan each step while the one before runs, as pagedserve serves by "
+                                        "default (a request that arrives during a step joins the step after "
+                                        "next); off: the paper's synchronous vLLM")
     # the workload
     trace: str = opt("sharegpt", f"workload: one of {', '.join(TRACE_NAMES)}, or a JSONL file")
     num_requests: int = opt(1000, "requests", check=_at_least(1))
@@ -382,9 +385,8 @@ class ProfileConfig:
     block_size: int = cf.block_size()
     max_num_batched_tokens: int = opt(2048, "the engine's token budget of one step: prefill points above it "
                                             "are capped to it", check=_at_least(1))
-    torch_threads: int = opt(0, "torch threads, as the worker's --torch-threads (0: as many as torch picks); on a "
-                                "busy CPU one thread can be steadier than two that wait on each other",
-                             check=_at_least(0))
+    torch_threads: int = opt(0, "torch threads (0: as many as pagedserve up gives this model's worker here, "
+                                "--worker-threads auto)", check=_at_least(0))
     kv_cache_gib: float = opt(8.0, "the most the device KV pool may take: the largest decode batches (or "
                                    "contexts) that need more are dropped", check=_positive)
     # the grids
@@ -400,6 +402,31 @@ class ProfileConfig:
                                         "block-size factor (an engine built for each)", check=_block_sizes)
     swap_block_sizes: list[int] = opt([1, 4, 16, 64, 256], "block sizes of the swap and copy costs",
                                       check=_block_sizes)
+    api: bool = opt(True, "also measure a request's path and the served step's overhead through a real "
+                          "pagedserve up (HTTP, SSE, the hops between the processes): what the simulator adds")
+    api_batch: list[int] = opt([1, 4, 16, 64, 256], "batches of streams at which the served step is measured "
+                                                  "(those above the decode grid's largest batch are skipped)",
+                               check=_axis(1))
     repeats: int = opt(5, "timed decode steps per point, and timed runs per prefill point and copy (the "
                           "median is kept)", check=_at_least(1))
     out: str = opt("step-profile.json", "the profile, a JSON file (loadgen/step_profile.py's format)")
+
+
+@dataclass
+class FidelityConfig:
+    model: str = cf.model("the model folder the stack serves and the profile was taken on, or 'tiny'")
+    profile: str = opt(help="the step profile of this model on this machine (loadgen profile's JSON)")
+    traces: list[str] = opt(["sharegpt", "mooncake-conversation"], "workloads, each at every rate")
+    rates: list[float] = opt([], "requests per second (default: --below and --above times the saturation "
+                                 "throughput the simulator predicts, per trace)",
+                             check=lambda v: all(r > 0 for r in v) or "each must be > 0")
+    below: float = opt(0.5, "the rate under saturation, as a share of it", check=lambda v: 0 < v < 1 or "must lie in (0, 1)")
+    above: float = opt(1.5, "the rate over saturation, as a multiple of it", check=lambda v: v > 1 or "must be > 1")
+    num_requests: int = opt(80, "requests per run", check=_at_least(10))
+    num_device_blocks: int = opt(1024, "the KV pool of the stack and of the simulator, in blocks", check=_at_least(1))
+    block_size: int = cf.block_size()
+    max_num_seqs: int = opt(256, "most sequences in a step (stack and simulator)", check=_at_least(1))
+    max_num_batched_tokens: int = opt(2048, "most tokens in a step (stack and simulator)", check=_at_least(1))
+    serve_flags: list[str] = opt([], "more flags for pagedserve up (as one string each, e.g. --serve-flags=--no-async-scheduling)")
+    seed: int = opt(0, "fixes every draw: lengths, arrivals, prompts")
+    out: str = opt("loadgen-fidelity", "folder for fidelity.md, fidelity.json and each run's measured report")

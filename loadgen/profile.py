@@ -38,14 +38,19 @@ def profile(cfg) -> dict:
     from pagedserve.services.tiny_model import TinyModelError, resolve_model
     from pagedserve.services.worker.model_loader import inspect_model_dir
 
+    from pagedserve.services.launcher import worker_threads_auto
+
     started = time.monotonic()
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
     try:
         model = resolve_model(cfg.model)
         hf_config, spec = inspect_model_dir(model)   # a bad folder is refused before anything loads
     except (ModelLoadError, TinyModelError) as e:
         raise ConfigError(str(e)) from None
+    # As many threads as `pagedserve up` gives this model's worker here: a profile on two threads
+    # prices a worker on one wrongly (on 2 cores the tiny model's step differs 2-3x).
+    threads = cfg.torch_threads or worker_threads_auto(
+        cfg.device, 1, sum(f.stat().st_size for f in Path(model).glob("*.safetensors")))
+    torch.set_num_threads(threads)
     dtype = serving_dtype_name(cfg.dtype, cfg.device, spec)
     notes: list[str] = []
     batch, context = decode_axes(cfg, spec, dtype, notes)
@@ -62,6 +67,17 @@ def profile(cfg) -> dict:
         engine.close()
     factors = block_size_factors(cfg, model, (batch[len(batch) // 2], context[len(context) // 2]), rng)
     copies = copy_costs(spec, dtype, cfg.device, cfg.swap_block_sizes, cfg.repeats)
+    api = {}
+    if cfg.api:
+        from pagedserve.loadgen.profile_api import measure_api
+        from pagedserve.loadgen.profiled_cost import interp2
+        from pagedserve.loadgen.step_profile import Grid2
+        log("the API's request overhead and served steps, through pagedserve up")
+        flags = ["--device", cfg.device, "--block-size", str(cfg.block_size), "--worker-threads", str(threads)]
+        grid = Grid2(tuple(map(float, batch)), tuple(map(float, context)), tuple(map(tuple, decode)))
+        api = {"api": measure_api(model, flags, tokens[0], prefill[0][0][0], spec.vocab_size,
+                                  [b for b in cfg.api_batch if b <= batch[-1]] or [batch[0]],
+                                  lambda b, c: interp2(grid, b, c))}
 
     raw = {"version": VERSION,
            "machine": machine(cfg.device),
@@ -79,6 +95,7 @@ def profile(cfg) -> dict:
                        "cached": [[n for _, n in row] for row in prefill]},
            "block_size_factor": {"block_size": list(factors), "factor": list(factors.values())},
            **copies,
+           **api,
            "notes": notes}
     raw["took_s"] = round(time.monotonic() - started, 1)
     return raw

@@ -18,6 +18,9 @@ one step takes
     decode rows only:   f * decode(D, C)
     prefill rows only:  prefill(Q, P)
     both:               f * decode(D, C) + prefill(Q, P) - base
+    then, with a profile's "api" entry, + step_overhead(rows), the served step beyond the
+                        engine's at the step's row count (linear, extrapolated, may be < 0; the
+                        sum floored at 0)
     plus                swap_out * swap_out(b) + swap_in * swap_in(b) + copied * copy(b)
 
 where decode() and prefill() are their grids interpolated bilinearly, swap_out(), swap_in() and
@@ -49,6 +52,12 @@ def _lerp(a: float, b: float, t: float) -> float:
 def interp1(g: Grid1, x: float) -> float:
     i, t = _segment(g.x, x)
     return max(0.0, _lerp(g.y[i], g.y[i + 1], t))
+
+
+def _lerp1(g: Grid1, x: float) -> float:
+    """interp1 without the floor at 0: an overhead may be negative."""
+    i, t = _segment(g.x, x)
+    return _lerp(g.y[i], g.y[i + 1], t)
 
 
 def interp2(g: Grid2, x: float, y: float) -> float:
@@ -88,6 +97,8 @@ class ProfiledCost:
             t += interp2(p.prefill, tokens, sum(q * (ctx - q) for q, ctx in prefill) / tokens)
         if decode and prefill:
             t = max(0.0, t - p.decode.z[0][0])
+        if p.step_overhead is not None:     # the served step beyond the engine's (may be < 0)
+            t = max(0.0, t + _lerp1(p.step_overhead, len(seqs)))
         moves = BlockMoves.of(swap_blocks)
         return t + moves.swap_out * interp1(p.swap_out, block_tokens) \
             + moves.swap_in * interp1(p.swap_in, block_tokens) + moves.copied * interp1(p.copy, block_tokens)
@@ -135,6 +146,11 @@ class ProfiledServer:
 
     def num_kv_tokens(self) -> int:
         return self.kv_cache_bytes // self.kv_bytes_per_token
+
+    @property
+    def request_overhead_s(self) -> float:
+        """The API's path, added to every token time of a request (loadgen/profile_api.py)."""
+        return self.profile.request_overhead_s
 
     def cost_model(self) -> ProfiledCost:
         return ProfiledCost(self.profile)

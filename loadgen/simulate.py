@@ -100,11 +100,14 @@ def _draws(samples) -> list[SampleResult]:
     return out
 
 
-def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = None) -> SimResult:
+def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = None,
+             plan: Plan | None = None) -> SimResult:
+    """plan: the requests to simulate (default: cfg's workload); loadgen fidelity passes the very
+    plan a replay sent the real stack."""
     started = time.perf_counter()
     preset = preset_of(cfg)
     max_len = preset.max_model_len
-    plan = make_workload(cfg, max_len)
+    plan = plan or make_workload(cfg, max_len)
     bs = cfg.block_size
     num_blocks = preset.num_kv_tokens() // bs
     host_blocks = int(cfg.swap_space_gib * GiB) // (preset.kv_bytes_per_token * bs)
@@ -120,6 +123,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                for r in requests}
     rid_of = {}
     nxt, steps = 0, 0
+    ahead = None            # async scheduling: (the step planned while the last one ran, its block moves)
     while nxt < len(requests) or sched.has_unfinished():
         while nxt < len(requests) and requests[nxt].arrival <= now[0]:
             r = requests[nxt]
@@ -135,8 +139,17 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
         if not sched.has_unfinished():
             now[0] = requests[nxt].arrival
             continue
-        step = sched.schedule()
-        moves = _block_moves(*store.drain())   # the op log a served scheduler sends its kvstore
+        if ahead is not None:     # planned while the step before ran: arrivals since wait for the next
+            step, moves, ahead = ahead[0], ahead[1], None
+        else:
+            step = sched.schedule()
+            moves = _block_moves(*store.drain())   # the op log a served scheduler sends its kvstore
+        if cfg.async_scheduling and not step.is_empty:
+            # As the served scheduler (and Engine.step): the next step is planned now, before this
+            # one's tokens; its op log is its own and is charged when it runs.
+            planned = sched.schedule_ahead(step)
+            if planned is not None:
+                ahead = (planned, _block_moves(*store.drain()))
         if step.is_empty:   # nothing fits now (the requests it aborted, if any, still finish)
             _record(sched, sched.update(step, []), records, rid_of)
             if sched.has_unfinished():
@@ -151,6 +164,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
             if wanted:
                 records[rid_of[req.request_id]].token_times.append(now[0])
         _record(sched, sched.update(step, _draws(step.samples)), records, rid_of)
+    _delay(records.values(), preset.request_overhead_s)
     return SimResult(cfg, preset, plan, [records[r.index] for r in requests], sched.kv_breakdown(),
                      dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes))
 
@@ -167,6 +181,17 @@ def _block_moves(ops: list[list], results: list) -> BlockMoves:
         elif op[0] in ("append_slots", "append_tokens"):
             copied += len(r[1])
     return BlockMoves(out, back, copied)
+
+
+def _delay(records, lag_s: float) -> None:
+    """What the client sees: every event of a request later by the API's path (a profile's "api"
+    entry; a constant, so it shifts no request against another and changes no queue)."""
+    if not lag_s:
+        return
+    for rec in records:
+        rec.token_times = [t + lag_s for t in rec.token_times]
+        rec.first_token = None if rec.first_token is None else rec.first_token + lag_s
+        rec.end = None if rec.end is None else rec.end + lag_s
 
 
 def _record(sched: Scheduler, finished: list, records: dict, rid_of: dict) -> None:

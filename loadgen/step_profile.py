@@ -27,6 +27,16 @@ Two optional keys, for readers of the file (parse does not read them): "notes", 
 grid points the profile capped or dropped (the model's context, the KV pool); "prefill"."cached",
 [[tokens found in the prefix cache, for P] for Q] (equal to the context axis: a miss is an error).
 
+Optional:
+
+     "api": {"request_overhead_s": s,       what a request's latency holds beside its steps (the
+                                             HTTP path, the hops between the processes): the
+                                             simulator adds it to every token time of a request;
+             "step_overhead": {"batch": [B...], "seconds": [s...]}, ...}
+         a served step's time beyond the engine's at B rows (the router's events, the other
+         processes on the same cores; may be negative), added to every step; both measured
+         through a real stack (loadgen/profile_api.py).
+
 Recompute has no entry of its own: a preempted request's recompute is its prompt prefilled again,
 which the prefill grid prices.
 
@@ -68,6 +78,8 @@ class StepProfile:
     swap_out: Grid1           # block size -> seconds per block
     swap_in: Grid1
     copy: Grid1
+    request_overhead_s: float = 0.0   # "api"; 0 for a profile taken without it
+    step_overhead: Grid1 | None = None  # "api"; None: no served-step term
 
     @property
     def model(self) -> dict:
@@ -124,7 +136,29 @@ def parse(raw: dict) -> StepProfile:
                        _grid1(raw, "block_size_factor", "block_size", "factor"),
                        _grid1(raw, "swap_out", "block_size", "seconds_per_block"),
                        _grid1(raw, "swap_in", "block_size", "seconds_per_block"),
-                       _grid1(raw, "copy", "block_size", "seconds_per_block"))
+                       _grid1(raw, "copy", "block_size", "seconds_per_block"), *_api(raw))
+
+
+def _api(raw: dict) -> tuple[float, Grid1 | None]:
+    api = raw.get("api")
+    if api is None:
+        return 0.0, None
+    value = api.get("request_overhead_s") if isinstance(api, dict) else None
+    if not isinstance(value, (int, float)) or value < 0:
+        raise ProfileError("api.request_overhead_s must be a non-negative number")
+    steps = api.get("step_overhead")
+    if not isinstance(steps, dict):
+        raise ProfileError("api.step_overhead must be an object")
+    batch = steps.get("batch")
+    if not isinstance(batch, list) or not batch or any(b <= a for a, b in zip(batch, batch[1:])):
+        raise ProfileError("api.step_overhead.batch must be a strictly increasing list")
+    seconds = steps.get("seconds")
+    if not isinstance(seconds, list) or len(seconds) != len(batch) or \
+            not all(isinstance(v, (int, float)) for v in seconds):
+        raise ProfileError(f"api.step_overhead.seconds must be {len(batch)} numbers")
+    if len(batch) == 1:       # one point: the same overhead at every batch
+        batch, seconds = [batch[0], batch[0] + 1], [seconds[0], seconds[0]]
+    return float(value), Grid1(tuple(map(float, batch)), tuple(map(float, seconds)))
 
 
 def load(path: str | Path) -> StepProfile:

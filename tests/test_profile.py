@@ -101,3 +101,42 @@ def test_a_bad_grid_is_one_line_and_exit_2(tiny_llama, tmp_path, capsys, flags, 
     assert main(["profile", "--model", tiny_llama, "--out", str(tmp_path / "p.json"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err, err
+
+
+def test_the_api_entry_measures_a_real_stack(tiny_profile):
+    """The path of one request and the served step beyond the engine's, through pagedserve up
+    (loadgen/profile_api.py): measured, and read back into the profile the simulator uses."""
+    raw, path = tiny_profile
+    api = raw["api"]
+    assert api["ttft_s"] > 0 and api["request_overhead_s"] >= 0 and api["prompt_tokens"] == 16
+    assert api["step_overhead"]["batch"] == [1]              # api_batch above the decode grid's 2: skipped
+    assert all(s > 0 for s in api["step_overhead"]["served_step_s"])
+    loaded = step_profile.load(path)
+    assert loaded.request_overhead_s == api["request_overhead_s"] and loaded.step_overhead is not None
+
+
+def test_fidelity_runs_the_same_plan_on_the_stack_and_the_simulator(tiny_llama, tiny_profile, tmp_path):
+    from pagedserve.loadgen.config import FidelityConfig
+    from pagedserve.loadgen.fidelity import FIGURES, fidelity
+    _, path = tiny_profile
+    cfg = FidelityConfig(model=tiny_llama, profile=str(path), traces=["sharegpt"], rates=[4.0], num_requests=10,
+                         num_device_blocks=256, out=str(tmp_path / "fid"))
+    report = fidelity(cfg)
+    (row,) = report["rows"]
+    assert row["measured_failed"] == 0
+    for key, _, bound in FIGURES:
+        f = row["figures"][key]
+        assert f["measured"] > 0 and f["simulated"] > 0, (key, f)
+        assert f["error"] == pytest.approx(f["simulated"] / f["measured"] - 1)
+        assert f["ok"] is (None if bound is None else abs(f["error"]) <= bound)
+    assert "| sharegpt | 4 |" in (tmp_path / "fid" / "fidelity.md").read_text()
+    assert json.loads((tmp_path / "fid" / "fidelity.json").read_text())["rows"][0]["rate"] == 4.0
+
+
+def test_fidelity_refuses_a_profile_of_another_model(tiny_profile, tmp_path, capsys):
+    raw, _ = tiny_profile
+    other = tmp_path / "other.json"
+    step_profile.save({**raw, "model": {**raw["model"], "path": "/elsewhere/model"}}, other)
+    code = main(["fidelity", "--model", raw["model"]["path"], "--profile", str(other), "--out", str(tmp_path / "f")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "/elsewhere/model" in err[0]

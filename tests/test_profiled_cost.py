@@ -196,3 +196,43 @@ def test_plan_refuses_a_bad_slo_and_a_bad_profile(tmp_path, profile_path):
     assert r.returncode == 2 and "--slo" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = run_cli("plan", "--profile", str(tmp_path / "missing.json"), "--slo", "ttft_p99=500", "--out", str(tmp_path))
     assert r.returncode == 2 and "missing.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+API = {"request_overhead_s": 4 * MS, "step_overhead": {"batch": [1, 5], "seconds": [0.5 * MS, 1.5 * MS]}}
+
+
+def test_the_served_step_overhead_worked_by_hand():
+    cost = ProfiledCost(step_profile.parse(make_profile(api=API)))
+    # 3 decode rows at context 128: the grid's 3.0 ms; the overhead at 3 rows is halfway between
+    # 0.5 ms (1 row) and 1.5 ms (5 rows): 1.0 ms. 3.0 + 1.0 = 4.0 ms.
+    assert cost.step_time([(1, 128)] * 3, 3) == pytest.approx(4.0 * MS)
+    # A negative overhead (the served step faster) lowers the step, never below 0.
+    fast = ProfiledCost(step_profile.parse(make_profile(api={**API, "step_overhead": {"batch": [1], "seconds": [-9 * MS]}})))
+    assert fast.step_time([(1, 16)], 1) == 0.0
+
+
+def test_the_request_overhead_delays_every_event_of_a_request(profile_path, tmp_path):
+    delayed = tmp_path / "api.json"
+    step_profile.save(make_profile(api={**API, "step_overhead": {"batch": [1, 5], "seconds": [0.0, 0.0]}}), delayed)
+    plain, late = summary_of(simulate(small(profile_path))), summary_of(simulate(small(delayed)))
+    assert late["mean_ttft_ms"] == pytest.approx(plain["mean_ttft_ms"] + 4.0)
+    assert late["mean_e2el_ms"] == pytest.approx(plain["mean_e2el_ms"] + 4.0)
+    assert late["mean_tpot_ms"] == pytest.approx(plain["mean_tpot_ms"])
+
+
+def test_an_api_entry_that_cannot_be_used_is_refused():
+    for api in ({"request_overhead_s": -1.0, "step_overhead": API["step_overhead"]},
+                {"request_overhead_s": 1.0},
+                {"request_overhead_s": 1.0, "step_overhead": {"batch": [2, 1], "seconds": [0, 0]}}):
+        with pytest.raises(step_profile.ProfileError):
+            step_profile.parse(make_profile(api=api))
+
+
+def test_async_scheduling_makes_an_arrival_wait_for_the_step_planned_ahead(profile_path):
+    """As the served scheduler: the step after the running one is planned as it starts, so a
+    request that arrives meanwhile joins the one after; the same plan otherwise."""
+    import dataclasses
+    sync = summary_of(simulate(small(profile_path)))
+    ahead = summary_of(simulate(dataclasses.replace(small(profile_path), async_scheduling=True)))
+    assert ahead["completed"] == sync["completed"] and ahead["total_output_tokens"] == sync["total_output_tokens"]
+    assert ahead["mean_ttft_ms"] > sync["mean_ttft_ms"]

@@ -1,0 +1,134 @@
+"""`loadgen fidelity`: the same requests against the real stack and the simulator, and how far the
+simulator's figures are from the measured ones.
+
+Per trace (default ShareGPT-like and Mooncake conversation) and rate (default one below the
+saturation the simulator predicts and one above it), a fresh `pagedserve up` (so no run inherits
+another's prefix cache) is replayed with `loadgen replay`'s own client, then `loadgen simulate`
+runs the very plan that was sent (the same lengths, arrivals and shared prefixes) priced by a step
+profile taken on this machine (`loadgen profile`), with the stack's pool, block size and batch
+limits. The report gives each figure measured and simulated and the error, simulated / measured - 1,
+against issue 31's bounds: throughput and mean TPOT within 10 %, mean TTFT within 15 %.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from pagedserve.loadgen.config import FidelityConfig, ReplayConfig, SimulateConfig
+from pagedserve.loadgen.cost_model import GiB
+from pagedserve.loadgen.metrics import summarize
+from pagedserve.loadgen.replay import run_replay
+from pagedserve.loadgen.report import jsonable
+from pagedserve.loadgen.simulate import simulate, summary_of
+from pagedserve.loadgen.stack import Stack
+from pagedserve.loadgen.step_profile import ProfileError, load
+from pagedserve.services.tiny_model import resolve_model
+
+# (summary key, name in the table, the issue's bound on |error|; None: reported, no bound)
+FIGURES = (("output_throughput", "output tok/s", 0.10), ("mean_ttft_ms", "TTFT mean ms", 0.15),
+           ("p99_ttft_ms", "TTFT p99 ms", None), ("mean_tpot_ms", "TPOT mean ms", 0.10),
+           ("mean_e2el_ms", "E2E mean ms", None))
+
+
+def sim_config(cfg: FidelityConfig, trace: str, rate: float) -> SimulateConfig:
+    """The simulator set as the stack is: its pool (the same blocks, in the profile's model's
+    bytes), block size, batch limits, the replay's length fitting."""
+    per_token = load(cfg.profile).model["kv_bytes_per_token"]
+    pool_gib = cfg.num_device_blocks * cfg.block_size * per_token / GiB
+    return SimulateConfig(profile=cfg.profile, trace=trace, rate=rate, num_requests=cfg.num_requests,
+                          kv_cache_gib=pool_gib, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, fit="scale", seed=cfg.seed,
+                          async_scheduling="--no-async-scheduling" not in cfg.serve_flags,
+                          label=f"simulated {trace} at {rate:g} req/s")
+
+
+def rates_for(cfg: FidelityConfig, trace: str) -> list[float]:
+    """cfg.rates, or the simulator's saturation throughput (all requests at once) times
+    cfg.below and cfg.above: one rate the server keeps up with, one it does not."""
+    if cfg.rates:
+        return list(cfg.rates)
+    saturated = summary_of(simulate(sim_config(cfg, trace, math.inf)))["request_throughput"]
+    return [round(saturated * cfg.below, 3), round(saturated * cfg.above, 3)]
+
+
+def stack_flags(cfg: FidelityConfig) -> list[str]:
+    """The stack as the simulator is set; its worker on as many threads as the profile's engine had
+    (a profile taken on one thread prices a worker on two wrongly)."""
+    threads = load(cfg.profile).machine.get("torch_threads") or 0
+    return ["--num-device-blocks", str(cfg.num_device_blocks), "--block-size", str(cfg.block_size),
+            "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+            *(["--worker-threads", str(threads)] if threads else []), *cfg.serve_flags]
+
+
+def measure(cfg: FidelityConfig, trace: str, rate: float, out: Path) -> tuple[dict, dict]:
+    """(measured summary, simulated summary) of one trace at one rate."""
+    stack = Stack(cfg.model, *stack_flags(cfg))
+    try:
+        replay_cfg = ReplayConfig(url=stack.url, trace=trace, rate=rate, num_requests=cfg.num_requests,
+                                  seed=cfg.seed, kv_block_size=cfg.block_size, fit="scale", metrics_interval=0,
+                                  plots=False, progress=False, out=str(out / "measured"))
+        run = asyncio.run(run_replay(replay_cfg))
+    finally:
+        stack.stop()
+    measured = summarize(run.records, replay_cfg.percentiles)
+    sim = simulate(sim_config(cfg, trace, rate), plan=run.plan)
+    return measured, summary_of(sim)
+
+
+def errors(measured: dict, simulated: dict) -> dict:
+    out = {}
+    for key, _, bound in FIGURES:
+        m, s = measured.get(key), simulated.get(key)
+        err = None if not m or s is None else s / m - 1.0
+        out[key] = {"measured": m, "simulated": s, "error": err, "bound": bound,
+                    "ok": None if bound is None or err is None else abs(err) <= bound}
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = "| trace | rate req/s | " + " | ".join(f"{name}: measured / simulated (error)" for _, name, _ in FIGURES) + " |"
+    lines = [head, "|---|---|" + "---|" * len(FIGURES)]
+    for row in rows:
+        cells = []
+        for key, _, bound in FIGURES:
+            f = row["figures"][key]
+            if f["error"] is None:
+                cells.append("-")
+                continue
+            mark = "" if f["ok"] is None else (" ok" if f["ok"] else " **miss**")
+            cells.append(f"{f['measured']:.1f} / {f['simulated']:.1f} ({f['error']:+.1%}{mark})")
+        lines.append(f"| {row['trace']} | {row['rate']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check(cfg: FidelityConfig) -> None:
+    """Before any stack starts: the profile reads, and was taken on the model given."""
+    profile = load(cfg.profile)        # ProfileError: one line, exit 2
+    cfg.model = resolve_model(cfg.model)
+    measured_on = profile.model.get("path")
+    if measured_on and Path(measured_on).resolve() != Path(cfg.model).resolve():
+        raise ProfileError(f"--profile {cfg.profile} was taken on {measured_on}, not on --model {cfg.model}")
+
+
+def fidelity(cfg: FidelityConfig) -> dict:
+    check(cfg)
+    out = Path(cfg.out)
+    rows = []
+    for trace in cfg.traces:
+        for rate in rates_for(cfg, trace):
+            folder = out / f"{Path(trace).stem}-{rate:g}"
+            measured, simulated = measure(cfg, trace, rate, folder)
+            rows.append({"trace": trace, "rate": rate, "figures": errors(measured, simulated),
+                         "measured_failed": measured.get("failed", 0)})
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    report = {"config": dataclasses.asdict(cfg), "rows": rows,
+              "met": all(f["ok"] is not False for r in rows for f in r["figures"].values())}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fidelity.json").write_text(json.dumps(jsonable(report), indent=1) + "\n")
+    (out / "fidelity.md").write_text(f"# Simulator fidelity: {cfg.model}, profile {cfg.profile}\n\n{table(rows)}\n\n"
+                                     "Error: simulated / measured - 1. Bounds (issue 31): output throughput and "
+                                     "TPOT mean within 10 %, TTFT mean within 15 %.\n")
+    return report
