@@ -84,7 +84,8 @@ def run_config(cfg: PlanConfig, kv_cache_gib: float | None, block_size: int, rat
     percentiles = sorted({50.0, 90.0, 99.0} | {p for _, p, _ in cfg.slos})
     return SimulateConfig(profile=cfg.profile, trace=cfg.trace, num_requests=cfg.num_requests, seed=cfg.seed,
                           kv_cache_gib=kv_cache_gib, block_size=block_size, rate=rate, percentiles=percentiles,
-                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
+                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          async_scheduling=True)    # a replica as pagedserve serves it (its default)
 
 
 def candidate(cfg: PlanConfig, kv_cache_gib: float | None, block_size: int) -> dict:
