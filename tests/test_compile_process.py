@@ -88,3 +88,72 @@ def test_a_compiler_that_cannot_start_is_a_fault_and_not_cached(tmp_path):
     finally:
         cache.close()
         p.close()
+
+
+def slow_regex(n: int, salt: str) -> dict:
+    """A valid regex whose compile takes seconds (n=400: ~2 s here) and grows fast with n."""
+    return specs.make("regex", salt + "".join("[%s-%s]?" % (chr(97 + i % 20), chr(99 + i % 20)) for i in range(n)))
+
+
+def test_ready_never_waits_for_a_compile_in_progress(process):
+    """The router's event loop asks ready() for every constrained request: it held the lock a
+    compile held for seconds, so one slow constraint froze the router until its heartbeat failed."""
+    import threading
+    process.ready().result(timeout=120)
+    t = threading.Thread(target=lambda: pytest.raises(GrammarError, process.compile, "xgrammar", slow_regex(8000, "r")))
+    t.start()
+    time.sleep(0.3)                            # the compile is in the child now
+    t0 = time.monotonic()
+    assert process.ready().done()
+    assert time.monotonic() - t0 < 0.1
+    t.join(10)
+
+
+def test_a_child_killed_under_a_compile_is_replaced_and_the_compile_tried_again(tiny_llama):
+    """Killed by someone else (or the OOM killer) mid-compile: not the constraint's verdict."""
+    import threading
+    process = CompileProcess(tiny_llama, 2048, (2,), compile_timeout_s=60.0)
+    try:
+        first = _child_pid(process)
+        threading.Timer(0.5, os.kill, (first, signal.SIGKILL)).start()
+        assert process.compile("xgrammar", slow_regex(400, "k")) > 0
+        assert process.starts == 2
+    finally:
+        process.close()
+
+
+def test_a_busy_child_exits_with_its_router(tiny_llama, tmp_path):
+    """stdin's EOF is read only between compiles: a router SIGKILLed during a minutes-long compile
+    left its child computing, re-parented, for over ten minutes."""
+    import subprocess
+    import sys
+    script = tmp_path / "router.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from pagedserve.services.guided.compile_process import CompileProcess\n"
+        "from pagedserve.services.guided import spec\n"
+        "slow = spec.make('regex', 'o' + ''.join('[%s-%s]?' % (chr(97 + i % 20), chr(99 + i % 20)) for i in range(8000)))\n"
+        f"p = CompileProcess({tiny_llama!r}, 2048, (2,), compile_timeout_s=600)\n"
+        "p.ready().result(timeout=120)\n"
+        "threading.Thread(target=p.compile, args=('xgrammar', slow), daemon=True).start()\n"
+        "time.sleep(0.5)\n"
+        "print(p._proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    router = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    try:
+        child = int(router.stdout.readline())
+        os.kill(router.pid, signal.SIGKILL)
+        router.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the compile child outlived its router by 5 s")
+    finally:
+        router.kill()

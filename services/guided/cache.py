@@ -38,6 +38,8 @@ class _Entry:
     since: float                   # time.monotonic() when submitted
     future: Future | None = None
     size: int = 0                  # bytes of the compiled form, counted once it is done
+    started: float | None = None   # time.monotonic() when the compile thread took it
+    ended: float | None = None
 
 
 class CompileCache:
@@ -89,6 +91,14 @@ class CompileCache:
         entry = self._entries.get(specs.key(constraint))
         return 0.0 if entry is None else time.monotonic() - entry.since
 
+    def running_for(self, constraint: dict) -> float | None:
+        """Seconds its compile has run (for one done: ran); None while it waits for the compile
+        thread, or is not in the cache."""
+        entry = self._entries.get(specs.key(constraint))
+        if entry is None or entry.started is None:
+            return None
+        return (entry.ended or time.monotonic()) - entry.started
+
     def compile(self, constraint: dict):
         """Blocking form of submit (tests, the offline engine's checks)."""
         return self.submit(constraint).result()
@@ -105,6 +115,7 @@ class CompileCache:
             self.bytes -= old.size
 
     def _compile(self, constraint: dict, k: str, entry: _Entry):
+        entry.started = time.monotonic()
         try:
             return self._compile_checked(constraint, k, entry)
         except GrammarError:
@@ -116,6 +127,8 @@ class CompileCache:
                 if self._entries.get(k) is entry:
                     del self._entries[k]
             raise
+        finally:
+            entry.ended = time.monotonic()
 
     def _compile_checked(self, constraint: dict, k: str, entry: _Entry):
         self.limits.check(constraint)

@@ -9,8 +9,8 @@ constraint (a router that never sees one never pays torch's import), loads the m
 and compiles one constraint at a time: its one caller is the compile cache's one thread
 (services/guided/cache.py). A compile that outlasts --grammar-compile-timeout stops the child
 (killed; the next constraint starts a new one) and is refused like one that took too long; a child
-that dies is started again for the next. The child exits when its stdin closes: when the router
-exits, even by SIGKILL.
+that dies under a compile is started again and the compile tried once more. The child exits when
+its router does, even by SIGKILL and in the middle of a compile.
 
 Frames both ways: 4 bytes of length (big-endian), then JSON (a constraint is JSON from the
 request; JSON keeps its big integers and escaped surrogates as they came).
@@ -54,8 +54,12 @@ class CompileProcess:
                      json.dumps(list(eos_token_ids))]
         self.compile_timeout_s = compile_timeout_s
         self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()      # one compile at a time, and one start
         self._ready: Future | None = None
+        # Two locks: the router's event loop asks ready() while a compile may hold the child for
+        # seconds, so the child's life (_life: who it is, its start) is never held across a compile
+        # (_io: one round trip at a time).
+        self._life = threading.Lock()
+        self._io = threading.Lock()
         self.starts = 0                    # children started (tests, logs)
 
     def backend(self, name: str) -> "RemoteBackend":
@@ -63,8 +67,9 @@ class CompileProcess:
 
     def ready(self) -> Future:
         """Done once a child is up (its exception: it could not start). Starts one, on a thread of
-        its own, if none runs: a router awaits this before its compile deadline starts."""
-        with self._lock:
+        its own, if none runs: a router awaits this before its compile deadline starts. Never
+        waits on a compile in progress."""
+        with self._life:
             if self._ready is None or (self._ready.done() and not self._alive()):
                 self._ready = Future()
                 threading.Thread(target=self._start, args=(self._ready,), name="grammar-compile-start",
@@ -72,23 +77,31 @@ class CompileProcess:
             return self._ready
 
     def compile(self, name: str, constraint: dict) -> int:
-        """The compiled size of a wire-form constraint; GrammarError if it does not compile."""
-        self.ready().result()               # raises CompilerUnavailable
-        with self._lock:
-            proc = self._proc
-            if proc is None:
-                raise CompilerUnavailable("the grammar compiler is closed")
-            try:
-                _write(proc.stdin, {"backend": name, "constraint": constraint})
-                reply = _read(proc.stdout, self.compile_timeout_s + KILL_GRACE_S)
-            except (OSError, EOFError) as e:   # the child died (e.g. out of memory) under this one
-                self._stop()
-                raise GrammarError(f"the {constraint.get('kind')} constraint stopped the grammar compiler "
-                                   f"({e or 'it exited'})") from None
-            if reply is None:
-                self._stop()
-                raise GrammarError(f"the {constraint.get('kind')} constraint did not compile within "
-                                   f"{self.compile_timeout_s:g} s (--grammar-compile-timeout)")
+        """The compiled size of a wire-form constraint; GrammarError if it does not compile.
+        A child that dies under a compile (killed, or out of memory) is replaced and the compile
+        tried once more: the second death is the constraint's verdict, the first may be anyone's."""
+        kind = constraint.get("kind")
+        for attempt in (1, 2):
+            self.ready().result()           # raises CompilerUnavailable
+            with self._io:
+                with self._life:
+                    proc = self._proc
+                if proc is None:
+                    raise CompilerUnavailable("the grammar compiler is closed")
+                try:
+                    _write(proc.stdin, {"backend": name, "constraint": constraint})
+                    reply = _read(proc.stdout, self.compile_timeout_s + KILL_GRACE_S)
+                except (OSError, EOFError, ValueError) as e:   # ValueError: a pipe closed under us
+                    self._stop(proc)
+                    if attempt == 2:
+                        raise GrammarError(f"the {kind} constraint stopped the grammar compiler twice "
+                                           f"({e or 'it exited'})") from None
+                    continue
+                if reply is None:
+                    self._stop(proc)
+                    raise GrammarError(f"the {kind} constraint did not compile within "
+                                       f"{self.compile_timeout_s:g} s (--grammar-compile-timeout)")
+            break
         if "error" in reply:
             raise GrammarError(reply["error"])
         if "fault" in reply:                # the compiler's own failure, not the constraint's
@@ -96,10 +109,12 @@ class CompileProcess:
         return int(reply["size"])
 
     def close(self) -> None:
-        with self._lock:
-            self._stop()
+        with self._life:
+            proc = self._proc
+        if proc is not None:
+            self._stop(proc)
 
-    # ---- the child's life (under the lock, but _start) --------------------------------------------
+    # ---- the child's life ----------------------------------------------------------------------
     def _alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -116,20 +131,20 @@ class CompileProcess:
             why = "no answer within %g s" % START_TIMEOUT_S if hello is None else hello["error"]
             ready.set_exception(CompilerUnavailable(f"the grammar compiler did not start: {why}"))
             return
-        with self._lock:
-            self._stop()
+        with self._life:
             self._proc = proc
             self.starts += 1
         ready.set_result(True)
 
-    def _stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            for f in (self._proc.stdin, self._proc.stdout):
-                f.close()
-            self._proc = None
-            self._ready = None
+    def _stop(self, proc: subprocess.Popen) -> None:
+        """Kill this child (if it is still ours, the next ready() starts another)."""
+        with self._life:
+            if self._proc is proc:
+                self._proc, self._ready = None, None
+        proc.kill()
+        proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            f.close()
 
 
 class RemoteBackend:
@@ -180,8 +195,18 @@ def _read_exactly(f, n: int, deadline: float | None) -> bytes | None:
 
 # ---- the child ----------------------------------------------------------------------------------
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit when the router is gone, even in the middle of a compile (stdin's EOF is read only
+    between compiles, and a compile may run for minutes). The compile releases the GIL, so this
+    thread runs beside it."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     model_dir, vocab_size, eos = argv[0], int(argv[1]), tuple(json.loads(argv[2]))
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     # Frames go on the real stdout; anything a library prints goes to stderr, not into a frame.
     frames_out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)

@@ -23,6 +23,7 @@ from pagedserve.services.router.errors import APIError, bad_request, unavailable
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM's structured_outputs keys this server does not serve: a 400, not a silently ignored constraint.
 UNSERVED_KEYS = ("structural_tag", "whitespace_pattern")
+QUEUE_DEADLINES = 4     # a constraint waits behind others' compiles for at most this many compile deadlines
 
 
 def constraint_of(req, backend: str) -> tuple[dict | None, str | None]:
@@ -98,17 +99,42 @@ async def check(cache, constraint: dict | None, param: str | None, timeout_s: fl
                                 "--request-timeout", param) from None
         if timeout_s is not None:
             timeout_s -= asyncio.get_running_loop().time() - t0
+    await _compiled(cache, constraint, param, timeout_s)
+
+
+async def _compiled(cache, constraint: dict, param: str | None, timeout_s: float | None) -> None:
+    """Wait for the constraint's compile. Its deadline counts from when the compile starts, not
+    from when it joined the queue of the one compile thread: 40 schemas sent at once, each 0.3 s
+    to compile, were refused as too slow from the 17th on. The wait in the queue is bounded apart
+    (QUEUE_DEADLINES compile deadlines: then a 503, to retry), and all of it by the time left."""
+    loop = asyncio.get_running_loop()
     deadline = cache.limits.compile_timeout_s
-    try:
-        # shield: the compile goes on for the cache (a cancelled entry would fail every later
-        # request with the same constraint), only this request stops waiting.
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cache.submit(constraint))),
-                               deadline if timeout_s is None else min(timeout_s, deadline))
-    except GrammarError as e:
-        raise bad_request(str(e), param) from None
-    except asyncio.TimeoutError:
-        if timeout_s is not None and timeout_s < deadline:
+    # shield: the compile goes on for the cache (a cancelled entry would fail every later request
+    # with the same constraint), only this request stops waiting.
+    job = asyncio.shield(asyncio.wrap_future(cache.submit(constraint)))
+    t0 = loop.time()
+    end = None if timeout_s is None else t0 + timeout_s
+    while True:
+        ran = cache.running_for(constraint)          # None: still queued
+        wait = deadline - (ran or 0.0) if ran is not None else min(deadline, QUEUE_DEADLINES * deadline - (loop.time() - t0))
+        if end is not None:
+            wait = min(wait, end - loop.time())
+        try:
+            await asyncio.wait_for(asyncio.shield(job), max(0.0, wait))
+            return
+        except GrammarError as e:
+            raise bad_request(str(e), param) from None
+        except CompilerUnavailable as e:
+            raise unavailable(str(e)) from None
+        except asyncio.TimeoutError:
+            pass
+        if end is not None and loop.time() >= end:
             raise APIError(504, "compiling the structured-output constraint took longer than the request's "
                                 "--request-timeout", param) from None
-        raise bad_request(f"the {constraint['kind']} constraint did not compile within {deadline:g} s "
-                          f"(--grammar-compile-timeout)", param) from None
+        ran = cache.running_for(constraint)
+        if ran is not None and ran >= deadline:
+            raise bad_request(f"the {constraint['kind']} constraint did not compile within {deadline:g} s "
+                              f"(--grammar-compile-timeout)", param) from None
+        if ran is None and loop.time() - t0 >= QUEUE_DEADLINES * deadline:
+            raise unavailable(f"the grammar compiler is busy with other constraints (queued "
+                              f"{QUEUE_DEADLINES * deadline:g} s); retry later")
