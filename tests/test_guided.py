@@ -79,6 +79,11 @@ def test_the_compile_cache_is_bounded_lru_and_remembers_failures(tokenizer):
     ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "#/if"),
     ({"type": "array", "contains": {"const": 5}}, "#/contains"),
     ({"anyOf": []}, "#/anyOf"),
+    # The black-box check of 2026-12-07: each answered "stop" with a text its schema refuses.
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "#/uniqueItems"),
+    ({"type": "number", "multipleOf": 0.5}, "#/multipleOf"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "#/dependentRequired"),
+    ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "#/dependentSchemas"),
 ])
 def test_xgrammar_refuses_keywords_it_would_not_enforce(tokenizer, schema, where):
     """These compiled and were ignored: answers that ended with "stop" did not validate
