@@ -264,9 +264,11 @@ def parse_slo(items: list[str]) -> list[tuple[str, float, float]]:
             p, ms = float(pct), float(value)
         except ValueError:
             p = ms = math.nan
-        if not sep or metric not in SLO_METRICS or not 0 < p < 100 or not ms > 0:
+        if not sep or metric not in SLO_METRICS or not 0 < p < 100 or not 0 < ms < math.inf:
             raise ValueError(f"{item!r}: expected METRIC_pP=MS with METRIC one of {', '.join(SLO_METRICS)}, "
                              "0 < P < 100 and MS > 0 (e.g. ttft_p99=500)")
+        if any(m == metric and q == p for m, q, _ in slo):
+            raise ValueError(f"{item!r}: {metric}_p{p:g} is given twice")
         slo.append((metric, p, ms))
     return slo
 
@@ -289,8 +291,9 @@ class PlanConfig:
     kv_cache_gib: list[float] = opt([], "KV pool sizes to try, GiB (default: one, room for --max-num-seqs "
                                         "sequences of the model's whole context)",
                                     check=lambda v: all(x > 0 for x in v) or "each must be > 0")
-    block_size: list[int] = opt([16], "KV block sizes to try", check=lambda v: bool(v) and all(b >= 1 for b in v)
-                                or "each must be >= 1")
+    block_size: list[int] = opt([16], "KV block sizes to try (powers of two, at most 256, as pagedserve takes)",
+                                check=lambda v: bool(v) and next((w for b in v if (w := cf.power_of_two_block(b))
+                                                                  is not True), True) or "give at least one")
     # A candidate's bisection is ~7 simulated runs, and a plan should take minutes on 2 cores; but a
     # run must hold several full batches (--max-num-seqs) for an overload's queue to show: 200 did
     # not load a 256-sequence replica at all, 500 overstated its rate by ~50 % beside 2000, 1000 by ~10 %.
@@ -407,6 +410,8 @@ class ProfileConfig:
     api_batch: list[int] = opt([1, 4, 16, 64, 256], "batches of streams at which the served step is measured "
                                                   "(those above the decode grid's largest batch are skipped)",
                                check=_axis(1))
+    api_context: list[int] = opt([32, 512], "prompt lengths at which the served step is measured (capped to "
+                                            "the model's context)", check=_axis(1))
     repeats: int = opt(5, "timed decode steps per point, and timed runs per prefill point and copy (the "
                           "median is kept)", check=_at_least(1))
     out: str = opt("step-profile.json", "the profile, a JSON file (loadgen/step_profile.py's format)")

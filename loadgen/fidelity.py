@@ -20,6 +20,7 @@ from pathlib import Path
 from pagedserve.loadgen.config import FidelityConfig, ReplayConfig, SimulateConfig
 from pagedserve.loadgen.cost_model import GiB
 from pagedserve.loadgen.metrics import summarize
+from pagedserve.loadgen.profiled_cost import ProfiledServer
 from pagedserve.loadgen.replay import run_replay
 from pagedserve.loadgen.report import jsonable
 from pagedserve.loadgen.simulate import simulate, summary_of
@@ -36,7 +37,7 @@ FIGURES = (("output_throughput", "output tok/s", 0.10), ("mean_ttft_ms", "TTFT m
 def sim_config(cfg: FidelityConfig, trace: str, rate: float) -> SimulateConfig:
     """The simulator set as the stack is: its pool (the same blocks, in the profile's model's
     bytes), block size, batch limits, the replay's length fitting."""
-    per_token = load(cfg.profile).model["kv_bytes_per_token"]
+    per_token = ProfiledServer.load(cfg.profile).kv_bytes_per_token
     pool_gib = cfg.num_device_blocks * cfg.block_size * per_token / GiB
     return SimulateConfig(profile=cfg.profile, trace=trace, rate=rate, num_requests=cfg.num_requests,
                           kv_cache_gib=pool_gib, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
@@ -106,7 +107,7 @@ def table(rows: list[dict]) -> str:
 
 def check(cfg: FidelityConfig) -> None:
     """Before any stack starts: the profile reads, and was taken on the model given."""
-    profile = load(cfg.profile)        # ProfileError: one line, exit 2
+    profile = ProfiledServer.load(cfg.profile).profile    # ProfileError (its model entry too): exit 2
     cfg.model = resolve_model(cfg.model)
     measured_on = profile.model.get("path")
     if measured_on and Path(measured_on).resolve() != Path(cfg.model).resolve():

@@ -28,6 +28,7 @@ WARM = 1            # decode steps run untimed after the batch starts decoding (
 COPY_BLOCKS = 64    # blocks per timed copy (fewer where they would pass COPY_BYTES)
 COPY_BYTES = 1 << 30
 FIRST_ID = 10       # prompt token ids are drawn from [10, vocab): clear of the special tokens
+API_OUTPUT = 32     # forced tokens of each stream that measures a served step (profile_api)
 
 
 def profile(cfg) -> dict:
@@ -46,6 +47,8 @@ def profile(cfg) -> dict:
         hf_config, spec = inspect_model_dir(model)   # a bad folder is refused before anything loads
     except (ModelLoadError, TinyModelError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {cfg.device}: this torch ({torch.__version__}) sees no CUDA device")
     # As many threads as `pagedserve up` gives this model's worker here: a profile on two threads
     # prices a worker on one wrongly (on 2 cores the tiny model's step differs 2-3x).
     threads = cfg.torch_threads or worker_threads_auto(
@@ -75,9 +78,10 @@ def profile(cfg) -> dict:
         log("the API's request overhead and served steps, through pagedserve up")
         flags = ["--device", cfg.device, "--block-size", str(cfg.block_size), "--worker-threads", str(threads)]
         grid = Grid2(tuple(map(float, batch)), tuple(map(float, context)), tuple(map(tuple, decode)))
+        contexts = sorted({min(c, spec.max_model_len - API_OUTPUT - 2) for c in cfg.api_context})
         api = {"api": measure_api(model, flags, tokens[0], prefill[0][0][0], spec.vocab_size,
-                                  [b for b in cfg.api_batch if b <= batch[-1]] or [batch[0]],
-                                  lambda b, c: interp2(grid, b, c))}
+                                  [b for b in cfg.api_batch if b <= batch[-1]] or [batch[0]], contexts,
+                                  lambda b, c: interp2(grid, b, c), output_len=API_OUTPUT)}
 
     raw = {"version": VERSION,
            "machine": machine(cfg.device),

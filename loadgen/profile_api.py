@@ -14,11 +14,13 @@ the way in delays the whole response, the way out every event of it.
 A served step costs more than the offline engine's on the same cores: the router sends each token
 as an SSE event and the client reads it, the scheduler plans and the kvstore applies the step's ops
 in processes of their own, and on a 2-core machine they all share the cores with the worker (the
-tiny model: 2.5 ms a token served against 1.7 ms offline at the same batch). So B streams are sent
-at once, each a prompt of `context` tokens and `output_len` forced tokens, for B along the decode
-batch axis; their mean TPOT is the served step at batch B, and the step overhead is that minus the
-profile's engine step at B and the mean context of the decode (interpolated in its decode grid).
-The simulator adds the overhead, interpolated at a step's row count, to every step.
+tiny model: 2.5 ms a token served against 1.7 ms offline at the same batch), and the more so the
+longer the contexts (the step message carries every row's block table). So B streams are sent at
+once, each a prompt of C tokens and `output_len` forced tokens, for B along the decode batch axis
+and a short and a long C; their mean TPOT is the served step at (B, C), and the step overhead is
+that minus the profile's engine step at B and the decode's mean context (its decode grid
+interpolated). The simulator adds the overhead, interpolated at a step's rows and their mean
+context, to every step.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def served_tpot_s(url: str, batch: int, context: int, output_len: int) -> float:
 
 
 def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vocab: int, batches: list[int],
-                engine_decode_s, context: int = 32, output_len: int = 32, requests: int = 20,
+                contexts: list[int], engine_decode_s, output_len: int = 32, requests: int = 20,
                 warmup: int = 3) -> dict:
     """The "api" entry. engine_decode_s(batch, context) -> the profile's engine step there."""
     rng = random.Random(1)
@@ -79,13 +81,14 @@ def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vo
     try:
         ttfts = [first_event_s(stack.url, model, [rng.randrange(10, vocab) for _ in range(prompt_len)])
                  for _ in range(warmup + requests)][warmup:]
-        served = [served_tpot_s(stack.url, b, context, output_len) for b in batches]
+        served = [[served_tpot_s(stack.url, b, c, output_len) for c in contexts] for b in batches]
     finally:
         stack.stop()
     ttft = statistics.median(ttfts)
-    mid = context + output_len / 2              # the decode steps' mean context
+    mid = output_len / 2              # the decode steps' mean context is the prompt's plus this
     return {"request_overhead_s": max(0.0, ttft - step_s), "ttft_s": ttft, "engine_step_s": step_s,
             "requests": requests, "prompt_tokens": prompt_len,
-            "step_overhead": {"batch": list(batches),
-                              "seconds": [s - engine_decode_s(b, mid) for b, s in zip(batches, served)],
-                              "served_step_s": served, "context": context, "output_len": output_len}}
+            "step_overhead": {"batch": list(batches), "context": [c + mid for c in contexts],
+                              "seconds": [[s - engine_decode_s(b, c + mid) for c, s in zip(contexts, row)]
+                                          for b, row in zip(batches, served)],
+                              "served_step_s": served, "output_len": output_len}}

@@ -18,9 +18,8 @@ one step takes
     decode rows only:   f * decode(D, C)
     prefill rows only:  prefill(Q, P)
     both:               f * decode(D, C) + prefill(Q, P) - base
-    then, with a profile's "api" entry, + step_overhead(rows), the served step beyond the
-                        engine's at the step's row count (linear, extrapolated, may be < 0; the
-                        sum floored at 0)
+    then, with a profile's "api" entry, + step_overhead(rows, their mean ctx), the served step
+                        beyond the engine's (bilinear, extrapolated, may be < 0; the sum floored at 0)
     plus                swap_out * swap_out(b) + swap_in * swap_in(b) + copied * copy(b)
 
 where decode() and prefill() are their grids interpolated bilinearly, swap_out(), swap_in() and
@@ -54,17 +53,16 @@ def interp1(g: Grid1, x: float) -> float:
     return max(0.0, _lerp(g.y[i], g.y[i + 1], t))
 
 
-def _lerp1(g: Grid1, x: float) -> float:
-    """interp1 without the floor at 0: an overhead may be negative."""
-    i, t = _segment(g.x, x)
-    return _lerp(g.y[i], g.y[i + 1], t)
-
-
-def interp2(g: Grid2, x: float, y: float) -> float:
+def _lerp2(g: Grid2, x: float, y: float) -> float:
+    """interp2 without the floor at 0: an overhead may be negative."""
     i, tx = _segment(g.x, x)
     j, ty = _segment(g.y, y)
     at = lambda row: _lerp(g.z[row][j], g.z[row][j + 1], ty)
-    return max(0.0, _lerp(at(i), at(i + 1), tx))
+    return _lerp(at(i), at(i + 1), tx)
+
+
+def interp2(g: Grid2, x: float, y: float) -> float:
+    return max(0.0, _lerp2(g, x, y))
 
 
 class ProfiledCost:
@@ -98,7 +96,7 @@ class ProfiledCost:
         if decode and prefill:
             t = max(0.0, t - p.decode.z[0][0])
         if p.step_overhead is not None:     # the served step beyond the engine's (may be < 0)
-            t = max(0.0, t + _lerp1(p.step_overhead, len(seqs)))
+            t = max(0.0, t + _lerp2(p.step_overhead, len(seqs), sum(ctx for _, ctx in seqs) / len(seqs)))
         moves = BlockMoves.of(swap_blocks)
         return t + moves.swap_out * interp1(p.swap_out, block_tokens) \
             + moves.swap_in * interp1(p.swap_in, block_tokens) + moves.copied * interp1(p.copy, block_tokens)

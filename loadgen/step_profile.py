@@ -32,10 +32,10 @@ Optional:
      "api": {"request_overhead_s": s,       what a request's latency holds beside its steps (the
                                              HTTP path, the hops between the processes): the
                                              simulator adds it to every token time of a request;
-             "step_overhead": {"batch": [B...], "seconds": [s...]}, ...}
-         a served step's time beyond the engine's at B rows (the router's events, the other
-         processes on the same cores; may be negative), added to every step; both measured
-         through a real stack (loadgen/profile_api.py).
+             "step_overhead": {"batch": [B...], "context": [C...], "seconds": [[s for C] for B]}, ...}
+         a served step's time beyond the engine's at B rows of mean context C (the router's
+         events, the step message, the other processes on the same cores; may be negative),
+         added to every step; both measured through a real stack (loadgen/profile_api.py).
 
 Recompute has no entry of its own: a preempted request's recompute is its prompt prefilled again,
 which the prefill grid prices.
@@ -79,7 +79,7 @@ class StepProfile:
     swap_in: Grid1
     copy: Grid1
     request_overhead_s: float = 0.0   # "api"; 0 for a profile taken without it
-    step_overhead: Grid1 | None = None  # "api"; None: no served-step term
+    step_overhead: Grid2 | None = None  # "api", (rows, mean context) -> s; None: no served-step term
 
     @property
     def model(self) -> dict:
@@ -139,7 +139,7 @@ def parse(raw: dict) -> StepProfile:
                        _grid1(raw, "copy", "block_size", "seconds_per_block"), *_api(raw))
 
 
-def _api(raw: dict) -> tuple[float, Grid1 | None]:
+def _api(raw: dict) -> tuple[float, Grid2 | None]:
     api = raw.get("api")
     if api is None:
         return 0.0, None
@@ -149,16 +149,26 @@ def _api(raw: dict) -> tuple[float, Grid1 | None]:
     steps = api.get("step_overhead")
     if not isinstance(steps, dict):
         raise ProfileError("api.step_overhead must be an object")
-    batch = steps.get("batch")
-    if not isinstance(batch, list) or not batch or any(b <= a for a, b in zip(batch, batch[1:])):
-        raise ProfileError("api.step_overhead.batch must be a strictly increasing list")
-    seconds = steps.get("seconds")
-    if not isinstance(seconds, list) or len(seconds) != len(batch) or \
-            not all(isinstance(v, (int, float)) for v in seconds):
-        raise ProfileError(f"api.step_overhead.seconds must be {len(batch)} numbers")
-    if len(batch) == 1:       # one point: the same overhead at every batch
-        batch, seconds = [batch[0], batch[0] + 1], [seconds[0], seconds[0]]
-    return float(value), Grid1(tuple(map(float, batch)), tuple(map(float, seconds)))
+    axes = []
+    for name in ("batch", "context"):
+        axis = steps.get(name)
+        if not isinstance(axis, list) or not axis or not all(isinstance(v, (int, float)) for v in axis) \
+                or any(b <= a for a, b in zip(axis, axis[1:])):
+            raise ProfileError(f"api.step_overhead.{name} must be a strictly increasing list of numbers")
+        axes.append(axis)
+    z = steps.get("seconds")
+    if not isinstance(z, list) or len(z) != len(axes[0]) or any(
+            not isinstance(row, list) or len(row) != len(axes[1])
+            or not all(isinstance(v, (int, float)) for v in row) for row in z):
+        raise ProfileError(f"api.step_overhead.seconds must be {len(axes[0])} rows of {len(axes[1])} numbers")
+    # An axis of one point: the same overhead all along it (interpolation wants two).
+    (bx, cx) = axes
+    if len(bx) == 1:
+        bx, z = [bx[0], bx[0] + 1], [z[0], z[0]]
+    if len(cx) == 1:
+        cx, z = [cx[0], cx[0] + 1], [[row[0], row[0]] for row in z]
+    return float(value), Grid2(tuple(map(float, bx)), tuple(map(float, cx)),
+                               tuple(tuple(float(v) for v in row) for row in z))
 
 
 def load(path: str | Path) -> StepProfile:

@@ -110,7 +110,8 @@ def test_the_api_entry_measures_a_real_stack(tiny_profile):
     api = raw["api"]
     assert api["ttft_s"] > 0 and api["request_overhead_s"] >= 0 and api["prompt_tokens"] == 16
     assert api["step_overhead"]["batch"] == [1]              # api_batch above the decode grid's 2: skipped
-    assert all(s > 0 for s in api["step_overhead"]["served_step_s"])
+    assert api["step_overhead"]["context"] == [32 + 16, 512 + 16]   # the decode's mean context
+    assert all(s > 0 for row in api["step_overhead"]["served_step_s"] for s in row)
     loaded = step_profile.load(path)
     assert loaded.request_overhead_s == api["request_overhead_s"] and loaded.step_overhead is not None
 

@@ -198,22 +198,27 @@ def test_plan_refuses_a_bad_slo_and_a_bad_profile(tmp_path, profile_path):
     assert r.returncode == 2 and "missing.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-API = {"request_overhead_s": 4 * MS, "step_overhead": {"batch": [1, 5], "seconds": [0.5 * MS, 1.5 * MS]}}
+API = {"request_overhead_s": 4 * MS,
+       "step_overhead": {"batch": [1, 5], "context": [48, 528],
+                         "seconds": [[0.5 * MS, 0.9 * MS], [1.5 * MS, 2.7 * MS]]}}
+NO_STEP_OVERHEAD = {"batch": [1], "context": [48], "seconds": [[0.0]]}
 
 
 def test_the_served_step_overhead_worked_by_hand():
     cost = ProfiledCost(step_profile.parse(make_profile(api=API)))
-    # 3 decode rows at context 128: the grid's 3.0 ms; the overhead at 3 rows is halfway between
-    # 0.5 ms (1 row) and 1.5 ms (5 rows): 1.0 ms. 3.0 + 1.0 = 4.0 ms.
-    assert cost.step_time([(1, 128)] * 3, 3) == pytest.approx(4.0 * MS)
-    # A negative overhead (the served step faster) lowers the step, never below 0.
-    fast = ProfiledCost(step_profile.parse(make_profile(api={**API, "step_overhead": {"batch": [1], "seconds": [-9 * MS]}})))
-    assert fast.step_time([(1, 16)], 1) == 0.0
+    # 3 decode rows at context 128: the grid's 3.0 ms. The overhead at 3 rows is halfway between
+    # batch 1 and 5; context 128 is 1/6 of the way from 48 to 528: at batch 1 0.5 + (0.9 - 0.5) / 6
+    # = 0.5667 ms, at batch 5 1.5 + (2.7 - 1.5) / 6 = 1.7 ms; halfway: 1.1333 ms. 3.0 + 1.1333 ms.
+    assert cost.step_time([(1, 128)] * 3, 3) == pytest.approx(4.1333333 * MS)
+    # One point on an axis: the same overhead all along it; a negative one (the served step
+    # faster) lowers the step, never below 0.
+    fast = make_profile(api={**API, "step_overhead": {"batch": [1], "context": [48], "seconds": [[-9 * MS]]}})
+    assert ProfiledCost(step_profile.parse(fast)).step_time([(1, 16)] * 4, 4) == 0.0
 
 
 def test_the_request_overhead_delays_every_event_of_a_request(profile_path, tmp_path):
     delayed = tmp_path / "api.json"
-    step_profile.save(make_profile(api={**API, "step_overhead": {"batch": [1, 5], "seconds": [0.0, 0.0]}}), delayed)
+    step_profile.save(make_profile(api={**API, "step_overhead": NO_STEP_OVERHEAD}), delayed)
     plain, late = summary_of(simulate(small(profile_path))), summary_of(simulate(small(delayed)))
     assert late["mean_ttft_ms"] == pytest.approx(plain["mean_ttft_ms"] + 4.0)
     assert late["mean_e2el_ms"] == pytest.approx(plain["mean_e2el_ms"] + 4.0)
@@ -223,7 +228,8 @@ def test_the_request_overhead_delays_every_event_of_a_request(profile_path, tmp_
 def test_an_api_entry_that_cannot_be_used_is_refused():
     for api in ({"request_overhead_s": -1.0, "step_overhead": API["step_overhead"]},
                 {"request_overhead_s": 1.0},
-                {"request_overhead_s": 1.0, "step_overhead": {"batch": [2, 1], "seconds": [0, 0]}}):
+                {"request_overhead_s": 1.0, "step_overhead": {"batch": [2, 1], "context": [1], "seconds": [[0], [0]]}},
+                {"request_overhead_s": 1.0, "step_overhead": {"batch": [1, 2], "context": [1], "seconds": [[0]]}}):
         with pytest.raises(step_profile.ProfileError):
             step_profile.parse(make_profile(api=api))
 
