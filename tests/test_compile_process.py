@@ -105,7 +105,7 @@ def test_ready_never_waits_for_a_compile_in_progress(process):
     time.sleep(0.3)                            # the compile is in the child now
     t0 = time.monotonic()
     assert process.ready().done()
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.5             # the freeze lasted the compile: seconds
     t.join(10)
 
 

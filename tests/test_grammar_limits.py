@@ -200,14 +200,14 @@ def test_the_compile_deadline_counts_from_the_compile_not_from_the_queue(tokeniz
     """Black-box finding: 40 distinct schemas sent at once, each ~0.3 s to compile, were refused as
     past the 5 s deadline from the 17th on, while they waited for the one compile thread."""
     from pagedserve.services.router.constraints import check
-    cache = CompileCache(lambda name: make_backend(name, tokenizer, 2048, (2,)), limits=Limits(compile_timeout_s=0.5))
+    cache = CompileCache(lambda name: make_backend(name, tokenizer, 2048, (2,)), limits=Limits(compile_timeout_s=1.0))
     try:
         backend = cache.backend("xgrammar")
-        monkeypatch.setattr(backend, "compile", _slow(backend, 0.2))
+        monkeypatch.setattr(backend, "compile", _slow(backend, 0.3))
 
         async def all_of_them():
             await asyncio.gather(*(check(cache, specs.make("regex", f"q{i}+"), "guided_regex", timeout_s=30.0)
-                                   for i in range(6)))       # 1.2 s of compiles in the queue
+                                   for i in range(6)))       # 1.8 s of compiles in the queue, 0.3 s each
         asyncio.run(all_of_them())
     finally:
         cache.close()
@@ -217,20 +217,23 @@ def test_a_constraint_queued_too_long_is_a_503_to_retry(tokenizer, monkeypatch):
     from pagedserve.services.router import constraints
     from pagedserve.services.router.errors import APIError
     monkeypatch.setattr(constraints, "QUEUE_DEADLINES", 1)
-    cache = CompileCache(lambda name: make_backend(name, tokenizer, 2048, (2,)), limits=Limits(compile_timeout_s=0.3))
+    cache = CompileCache(lambda name: make_backend(name, tokenizer, 2048, (2,)), limits=Limits(compile_timeout_s=1.0))
     try:
         backend = cache.backend("xgrammar")
-        monkeypatch.setattr(backend, "compile", _slow(backend, 0.25))
+        monkeypatch.setattr(backend, "compile", _slow(backend, 2.5))
 
-        async def behind_others():
-            first = [asyncio.ensure_future(constraints.check(cache, specs.make("regex", f"w{i}+"), "guided_regex"))
-                     for i in range(2)]
-            await asyncio.sleep(0.01)
+        async def behind_another():
+            # The one compile thread is busy for 2.5 s (that one ends in its own 400); the next
+            # constraint waits past 1 x the 1 s deadline in the queue: a 503, at about 1 s.
+            first = asyncio.ensure_future(constraints.check(cache, specs.make("regex", "w+"), "guided_regex"))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
             with pytest.raises(APIError) as e:
                 await constraints.check(cache, specs.make("regex", "last+"), "guided_regex")
-            await asyncio.gather(*first)
-            return e.value
-        error = asyncio.run(behind_others())
-        assert error.status == 503 and "retry" in str(error)
+            waited = time.monotonic() - t0
+            await asyncio.gather(first, return_exceptions=True)
+            return e.value, waited
+        error, waited = asyncio.run(behind_another())
+        assert error.status == 503 and "retry" in str(error) and waited < 2.4
     finally:
         cache.close()
