@@ -25,7 +25,7 @@ from pagedserve.loadgen.replay import run_replay
 from pagedserve.loadgen.report import jsonable
 from pagedserve.loadgen.simulate import simulate, summary_of
 from pagedserve.loadgen.stack import Stack
-from pagedserve.loadgen.step_profile import ProfileError, load
+from pagedserve.loadgen.step_profile import ProfileError
 from pagedserve.services.tiny_model import resolve_model
 
 # (summary key, name in the table, the issue's bound on |error|; None: reported, no bound)
@@ -34,11 +34,10 @@ FIGURES = (("output_throughput", "output tok/s", 0.10), ("mean_ttft_ms", "TTFT m
            ("mean_e2el_ms", "E2E mean ms", None))
 
 
-def sim_config(cfg: FidelityConfig, trace: str, rate: float) -> SimulateConfig:
+def sim_config(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float) -> SimulateConfig:
     """The simulator set as the stack is: its pool (the same blocks, in the profile's model's
     bytes), block size, batch limits, the replay's length fitting."""
-    per_token = ProfiledServer.load(cfg.profile).kv_bytes_per_token
-    pool_gib = cfg.num_device_blocks * cfg.block_size * per_token / GiB
+    pool_gib = cfg.num_device_blocks * cfg.block_size * server.kv_bytes_per_token / GiB
     return SimulateConfig(profile=cfg.profile, trace=trace, rate=rate, num_requests=cfg.num_requests,
                           kv_cache_gib=pool_gib, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens, fit="scale", seed=cfg.seed,
@@ -46,27 +45,27 @@ def sim_config(cfg: FidelityConfig, trace: str, rate: float) -> SimulateConfig:
                           label=f"simulated {trace} at {rate:g} req/s")
 
 
-def rates_for(cfg: FidelityConfig, trace: str) -> list[float]:
+def rates_for(cfg: FidelityConfig, server: ProfiledServer, trace: str) -> list[float]:
     """cfg.rates, or the simulator's saturation throughput (all requests at once) times
     cfg.below and cfg.above: one rate the server keeps up with, one it does not."""
     if cfg.rates:
         return list(cfg.rates)
-    saturated = summary_of(simulate(sim_config(cfg, trace, math.inf)))["request_throughput"]
+    saturated = summary_of(simulate(sim_config(cfg, server, trace, math.inf)))["request_throughput"]
     return [round(saturated * cfg.below, 3), round(saturated * cfg.above, 3)]
 
 
-def stack_flags(cfg: FidelityConfig) -> list[str]:
+def stack_flags(cfg: FidelityConfig, server: ProfiledServer) -> list[str]:
     """The stack as the simulator is set; its worker on as many threads as the profile's engine had
     (a profile taken on one thread prices a worker on two wrongly)."""
-    threads = load(cfg.profile).machine.get("torch_threads") or 0
+    threads = server.profile.machine.get("torch_threads") or 0
     return ["--num-device-blocks", str(cfg.num_device_blocks), "--block-size", str(cfg.block_size),
             "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
             *(["--worker-threads", str(threads)] if threads else []), *cfg.serve_flags]
 
 
-def measure(cfg: FidelityConfig, trace: str, rate: float, out: Path) -> tuple[dict, dict]:
+def measure(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float, out: Path) -> tuple[dict, dict]:
     """(measured summary, simulated summary) of one trace at one rate."""
-    stack = Stack(cfg.model, *stack_flags(cfg))
+    stack = Stack(cfg.model, *stack_flags(cfg, server))
     try:
         replay_cfg = ReplayConfig(url=stack.url, trace=trace, rate=rate, num_requests=cfg.num_requests,
                                   seed=cfg.seed, kv_block_size=cfg.block_size, fit="scale", metrics_interval=0,
@@ -75,7 +74,7 @@ def measure(cfg: FidelityConfig, trace: str, rate: float, out: Path) -> tuple[di
     finally:
         stack.stop()
     measured = summarize(run.records, replay_cfg.percentiles)
-    sim = simulate(sim_config(cfg, trace, rate), plan=run.plan)
+    sim = simulate(sim_config(cfg, server, trace, rate), plan=run.plan)
     return measured, summary_of(sim)
 
 
@@ -105,23 +104,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def check(cfg: FidelityConfig) -> None:
-    """Before any stack starts: the profile reads, and was taken on the model given."""
-    profile = ProfiledServer.load(cfg.profile).profile    # ProfileError (its model entry too): exit 2
+def check(cfg: FidelityConfig) -> ProfiledServer:
+    """Before any stack starts: the profile reads (its model entry too), and was taken on the model
+    given. ProfileError: one line, exit 2."""
+    server = ProfiledServer.load(cfg.profile)
     cfg.model = resolve_model(cfg.model)
-    measured_on = profile.model.get("path")
+    measured_on = server.profile.model.get("path")
     if measured_on and Path(measured_on).resolve() != Path(cfg.model).resolve():
         raise ProfileError(f"--profile {cfg.profile} was taken on {measured_on}, not on --model {cfg.model}")
+    return server
 
 
 def fidelity(cfg: FidelityConfig) -> dict:
-    check(cfg)
+    server = check(cfg)
     out = Path(cfg.out)
     rows = []
     for trace in cfg.traces:
-        for rate in rates_for(cfg, trace):
+        for rate in rates_for(cfg, server, trace):
             folder = out / f"{Path(trace).stem}-{rate:g}"
-            measured, simulated = measure(cfg, trace, rate, folder)
+            measured, simulated = measure(cfg, server, trace, rate, folder)
             rows.append({"trace": trace, "rate": rate, "figures": errors(measured, simulated),
                          "measured_failed": measured.get("failed", 0)})
             print(table(rows[-1:]).splitlines()[-1], flush=True)

@@ -90,9 +90,9 @@ class StepProfile:
         return self.raw["machine"]
 
 
-def _increasing(name: str, axis) -> tuple[float, ...]:
-    if not isinstance(axis, list) or len(axis) < 2 or not all(isinstance(v, (int, float)) for v in axis):
-        raise ProfileError(f"{name} must be a list of at least two numbers")
+def _increasing(name: str, axis, least: int = 2) -> tuple[float, ...]:
+    if not isinstance(axis, list) or len(axis) < least or not all(isinstance(v, (int, float)) for v in axis):
+        raise ProfileError(f"{name} must be a list of at least {least} numbers")
     if any(b <= a for a, b in zip(axis, axis[1:])):
         raise ProfileError(f"{name} must be strictly increasing, got {axis}")
     return tuple(float(v) for v in axis)
@@ -109,16 +109,17 @@ def _grid1(raw: dict, name: str, x: str, y: str) -> Grid1:
     return Grid1(xs, tuple(float(v) for v in ys))
 
 
-def _grid2(raw: dict, name: str, x: str, y: str) -> Grid2:
-    part = raw.get(name)
+def _grid2(part, name: str, x: str, y: str, least: int = 2, signed: bool = False) -> Grid2:
+    """part: the grid's object ({x: [...], y: [...], "seconds": rows}); least: points per axis at
+    the fewest; signed: its seconds may be negative (an overhead)."""
     if not isinstance(part, dict):
         raise ProfileError(f"the profile has no {name!r} object")
-    xs, ys = _increasing(f"{name}.{x}", part.get(x)), _increasing(f"{name}.{y}", part.get(y))
+    xs, ys = _increasing(f"{name}.{x}", part.get(x), least), _increasing(f"{name}.{y}", part.get(y), least)
     z = part.get("seconds")
     if not isinstance(z, list) or len(z) != len(xs) or any(
             not isinstance(row, list) or len(row) != len(ys)
-            or not all(isinstance(v, (int, float)) and v >= 0 for v in row) for row in z):
-        raise ProfileError(f"{name}.seconds must be {len(xs)} rows of {len(ys)} non-negative numbers")
+            or not all(isinstance(v, (int, float)) and (signed or v >= 0) for v in row) for row in z):
+        raise ProfileError(f"{name}.seconds must be {len(xs)} rows of {len(ys)}{'' if signed else ' non-negative'} numbers")
     return Grid2(xs, ys, tuple(tuple(float(v) for v in row) for row in z))
 
 
@@ -132,7 +133,8 @@ def parse(raw: dict) -> StepProfile:
     bs = raw.get("block_size")
     if not isinstance(bs, int) or bs < 1:
         raise ProfileError("block_size must be a positive integer")
-    return StepProfile(raw, bs, _grid2(raw, "decode", "batch", "context"), _grid2(raw, "prefill", "tokens", "context"),
+    return StepProfile(raw, bs, _grid2(raw.get("decode"), "decode", "batch", "context"),
+                       _grid2(raw.get("prefill"), "prefill", "tokens", "context"),
                        _grid1(raw, "block_size_factor", "block_size", "factor"),
                        _grid1(raw, "swap_out", "block_size", "seconds_per_block"),
                        _grid1(raw, "swap_in", "block_size", "seconds_per_block"),
@@ -146,29 +148,14 @@ def _api(raw: dict) -> tuple[float, Grid2 | None]:
     value = api.get("request_overhead_s") if isinstance(api, dict) else None
     if not isinstance(value, (int, float)) or value < 0:
         raise ProfileError("api.request_overhead_s must be a non-negative number")
-    steps = api.get("step_overhead")
-    if not isinstance(steps, dict):
-        raise ProfileError("api.step_overhead must be an object")
-    axes = []
-    for name in ("batch", "context"):
-        axis = steps.get(name)
-        if not isinstance(axis, list) or not axis or not all(isinstance(v, (int, float)) for v in axis) \
-                or any(b <= a for a, b in zip(axis, axis[1:])):
-            raise ProfileError(f"api.step_overhead.{name} must be a strictly increasing list of numbers")
-        axes.append(axis)
-    z = steps.get("seconds")
-    if not isinstance(z, list) or len(z) != len(axes[0]) or any(
-            not isinstance(row, list) or len(row) != len(axes[1])
-            or not all(isinstance(v, (int, float)) for v in row) for row in z):
-        raise ProfileError(f"api.step_overhead.seconds must be {len(axes[0])} rows of {len(axes[1])} numbers")
+    g = _grid2(api.get("step_overhead"), "api.step_overhead", "batch", "context", least=1, signed=True)
     # An axis of one point: the same overhead all along it (interpolation wants two).
-    (bx, cx) = axes
-    if len(bx) == 1:
-        bx, z = [bx[0], bx[0] + 1], [z[0], z[0]]
-    if len(cx) == 1:
-        cx, z = [cx[0], cx[0] + 1], [[row[0], row[0]] for row in z]
-    return float(value), Grid2(tuple(map(float, bx)), tuple(map(float, cx)),
-                               tuple(tuple(float(v) for v in row) for row in z))
+    x, y, z = g.x, g.y, g.z
+    if len(x) == 1:
+        x, z = (x[0], x[0] + 1), (z[0], z[0])
+    if len(y) == 1:
+        y, z = (y[0], y[0] + 1), tuple((row[0], row[0]) for row in z)
+    return float(value), Grid2(x, y, z)
 
 
 def load(path: str | Path) -> StepProfile:
