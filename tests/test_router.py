@@ -545,3 +545,46 @@ def test_return_tokens_as_token_ids_names_tokens_as_vllm(client):
                                                      "logprobs": True, "return_tokens_as_token_ids": True}).json()
     entry = chat["choices"][0]["logprobs"]["content"][0]
     assert entry["token"].startswith("token_id:") and bytes(entry["bytes"]).decode() == entry["token"]
+
+
+def test_stream_chunks_bypass_the_middleware_but_its_start_and_end_pass_through(info, fake):
+    """EventStream sends a stream's status, headers and end through the app's middleware (CORS adds
+    its headers there) and every chunk between straight to the server: counted here by a pure ASGI
+    layer inside the app, which sees one body message (the end) for a stream of many chunks."""
+    seen = []
+
+    class CountBodies:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def counted(message):
+                seen.append(message["type"])
+                await send(message)
+            await self.app(scope, receive, counted if scope["type"] == "http" else send)
+
+    cfg = Config(model=info.path, scheduler_endpoint=fake.endpoint, router_id="router-bodies", allowed_origins=["*"])
+    app = create_app(cfg, info, MemoryState())
+    app.add_middleware(CountBodies)   # outermost of the app's own middleware, inside RouterApp
+    fake.ready, fake.silent, fake.reject_with, fake.token_delay_s = True, False, None, 0.0
+    with RouterServer(app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        chunks, lines = stream_events(c, "/v1/completions", {"prompt": "hi", "max_tokens": 6},
+                                      headers={"Origin": "http://a.b"})
+        with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                      headers={"Origin": "http://a.b"}) as r:
+            assert r.headers["access-control-allow-origin"] == "*"
+            r.read()
+    assert len(chunks) >= 6 and lines[-1] == "[DONE]"
+    # Per stream: the start and the end; the chunks went around.
+    assert seen == ["http.response.start", "http.response.body"] * 2
+
+
+def test_sse_writes_the_json_that_json_dumps_writes():
+    from pagedserve.services.router.event_stream import sse
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [
+        {"index": 0, "text": " wörld € \u2028\"\\\n", "logprobs": {"tokens": ["a"], "token_logprobs": [-0.25],
+                                                              "top_logprobs": [{"a": -0.25}], "text_offset": [0]},
+         "finish_reason": None, "stop_reason": 7}]}
+    body = sse(chunk)
+    assert body.startswith(b"data: ") and body.endswith(b"\n\n")
+    assert body[6:-2] == json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()

@@ -28,9 +28,9 @@ N_TOKENS = 24
 def stack(tiny_llama):
     s = Stack(tiny_llama, "--num-device-blocks", "256")
     # This tiny model, its steps planned ahead, draws 24 tokens in ~40 ms; a router's first stream
-    # waited ~30 ms for its first chunk (anyio's backend imported on first use, now at start-up:
-    # ~14 ms left), so its tokens queued and the router, behind, merged them, as it should. The
-    # tests below are of a router that keeps up, so one stream goes first.
+    # waited tens of ms for its first chunk (what it imports on first use), so its tokens queued
+    # and the router, behind, merged them, as it should. The tests below are of a router that keeps
+    # up, so one stream goes first.
     with httpx.Client(base_url=s.url, timeout=120) as http:
         sse(http, "/v1/completions", {"prompt": "warm", "max_tokens": 2})
     yield s

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,6 +24,7 @@ from pagedserve.services.router.chat import ChatEndpoint
 from pagedserve.services.router.completions import CompletionEndpoint
 from pagedserve.services.router.context import RouterContext, server_version
 from pagedserve.services.router.errors import APIError, error_body
+from pagedserve.services.router.event_stream import RouterApp
 from pagedserve.services.router.guard import Guard
 from pagedserve.services.router.metrics import CONTENT_TYPE
 from pagedserve.services.router.model_info import ModelInfo
@@ -46,16 +46,12 @@ def create_app(config, info: ModelInfo, state: StateStore) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.start()
-        # Starlette streams a response inside an anyio task group, and anyio imports its asyncio
-        # backend (~15 ms) on first use: here, rather than in the first stream's first chunk.
-        async with anyio.create_task_group():
-            pass
         try:
             yield
         finally:
             await ctx.stop()
 
-    app = FastAPI(title="pagedserve router", lifespan=lifespan)
+    app = RouterApp(title="pagedserve router", lifespan=lifespan)
     app.state.ctx = ctx
     # Added first, so it runs inside CORS: a 401 still carries the CORS headers a browser needs.
     app.add_middleware(Guard, config=config, state=state, on_error=ctx.metrics.error)

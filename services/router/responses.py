@@ -7,27 +7,20 @@ event followed by `data: [DONE]`, as vLLM sends them.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Protocol
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pagedserve.services.router.choices import ChoiceEvent
 from pagedserve.services.router.errors import APIError
+from pagedserve.services.router.event_stream import DONE, EventStream, sse
 from pagedserve.services.router.generation import ClientDisconnected, Generation, watch_disconnect
-
-DONE = "data: [DONE]\n\n"
-
 
 class Formatter(Protocol):
     def start_chunks(self) -> list[dict]: ...
     def chunks(self, events: list[ChoiceEvent]) -> list[dict]: ...   # one per event, in order
     def usage_chunk(self) -> dict: ...
     def final(self) -> dict: ...
-
-
-def sse(obj: dict) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 def usage(gen: Generation, choices) -> dict:
@@ -110,14 +103,14 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
         gen.close(None if gen.error else APIError(500, "internal error"))
         raise
 
-    def write(batch: list[ChoiceEvent]) -> str:
-        """A batch's chunks, one per event that says something, in one string."""
+    def write(batch: list[ChoiceEvent]) -> bytes:
+        """A batch's chunks, one per event that says something, in one write."""
         said = [ev for ev in batch if not ev.says_nothing()]
         chunks = fmt.chunks(said)
         if continuous:
             for c, ev in zip(chunks, said):
                 c["usage"] = running_usage(gen, ev.index, ev.tokens_so_far)
-        return "".join(map(sse, chunks))
+        return b"".join(map(sse, chunks))
 
     async def body():
         try:
@@ -127,7 +120,7 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
             if continuous:
                 for c in start:
                     c["usage"] = running_usage(gen, c["choices"][0]["index"], 0)
-            head = "".join(map(sse, start)) + (write(first) if first is not None else "")
+            head = b"".join(map(sse, start)) + (write(first) if first is not None else b"")
             if head:
                 yield head
             async for batch in events:
@@ -135,7 +128,7 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
                 if text:
                     yield text
             gen.close()
-            yield (sse(fmt.usage_chunk()) if include_usage else "") + DONE
+            yield (sse(fmt.usage_chunk()) if include_usage else b"") + DONE
         except ClientDisconnected:
             gen.close()
         except APIError as e:
@@ -148,4 +141,4 @@ async def respond(request, gen: Generation, fmt: Formatter, stream: bool, stream
                 gen.abort()
                 gen.close()
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return EventStream(body(), headers)
