@@ -170,6 +170,25 @@ def test_a_grammar_with_an_empty_language_is_a_400(tokenizer, backend):
         cache.close()
 
 
+# Black-box findings: each compiled, and "a" (or "(") passed the first mask with nothing to follow.
+NO_TEXT = [("regex", r"a[^\s\S]"), ("regex", r"[^\s\S]"), ("regex", r"(a|b)[^\s\S]c"),
+           ("grammar", "root ::= []"), ("grammar", r'root ::= "a" [^\x00-\U0010FFFF]'),
+           ("grammar", 'root ::= "(" x{2} ")"\nx ::= x "a"')]
+SOME_TEXT = [("regex", r"[^\s\S]*"), ("grammar", r'root ::= "a" [^\x00-\uFFFF]'),
+             ("grammar", 'root ::= "(" x{0,2} ")"\nx ::= x "a"')]
+
+
+@pytest.mark.parametrize("kind, value", NO_TEXT, ids=[v for _, v in NO_TEXT])
+def test_a_regex_or_grammar_that_matches_no_text_is_a_400(tokenizer, kind, value):
+    """An empty character class ([^\\s\\S], [^\\x00-\\U0010FFFF]) or a repetition of an empty rule
+    deep in the constraint: its language is empty though its first mask is not."""
+    backend = make_backend("xgrammar", tokenizer, 2048, (2,))
+    with pytest.raises(GrammarError, match="matches no text at all"):
+        backend.compile(specs.make(kind, value))
+    for kind, fine in SOME_TEXT:     # the empty text, a class of what lies past U+FFFF, zero repeats
+        backend.compile(specs.make(kind, fine))
+
+
 def test_a_dead_end_is_held_to_eos_and_warned_about_once(tokenizer, caplog, monkeypatch):
     """Finding 8: a row whose mask allowed nothing drew a refused token every step (counted as
     output), with a warning per token per sequence (5.5 MB of log from one n=128 request). Here

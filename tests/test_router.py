@@ -342,6 +342,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "foo"}}}}, "guided_json"),
     ({"prompt": "x", "guided_choice": "a"}, "guided_choice"),
+    ({"prompt": "x", "guided_regex": r"a[^\s\S]"}, "guided_regex"),               # matches no text
     ({"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
