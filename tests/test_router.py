@@ -343,6 +343,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "foo"}}}}, "guided_json"),
     ({"prompt": "x", "guided_choice": "a"}, "guided_choice"),
     ({"prompt": "x", "guided_regex": r"a[^\s\S]"}, "guided_regex"),               # matches no text
+    ({"prompt": "x", "guided_json": {"type": "integer", "enum": ["a"]}}, "guided_json"),   # no valid value
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                     "required": ["b"], "additionalProperties": False}}},
+     "structured_outputs.json"),
     ({"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),

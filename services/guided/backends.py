@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.services.guided.limits import GrammarError  # noqa: F401  (re-exported: raised here)
 from pagedserve.services.guided.productive import language_is_empty
+from pagedserve.services.guided.schema import no_instance, xgrammar_unenforced
 
 COMPACT = (",", ":")
 ANY_OBJECT = '{"type": "object"}'
@@ -27,42 +28,6 @@ ANY_OBJECT = '{"type": "object"}'
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-# Keywords xgrammar 0.2.9 compiles without enforcing (measured: a string they forbid is accepted;
-# the last four by the black-box check of 2026-12-07: [0,0] under uniqueItems, 1.885105 under
-# multipleOf 0.5, {"a":5} under dependentRequired/dependentSchemas a -> b). A schema that uses one
-# is refused, or a "stop" answer would not validate against its schema. (oneOf is compiled as
-# anyOf: an answer may match two branches; it stays allowed, as the discriminated unions it mostly
-# writes have disjoint branches.)
-XGRAMMAR_IGNORES = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "multipleOf",
-                    "dependentRequired", "dependentSchemas")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_DATA = ("enum", "const", "default", "examples", "required", "dependentRequired")
-
-
-def _unenforced(schema: Any, path: str = "#") -> str | None:
-    """The first place in a JSON schema that xgrammar would not enforce, as 'path: why'."""
-    if isinstance(schema, list):
-        return next((w for i, sub in enumerate(schema) if (w := _unenforced(sub, f"{path}/{i}"))), None)
-    if not isinstance(schema, dict):
-        return None
-    for key, value in schema.items():
-        at = f"{path}/{key}"
-        if key in XGRAMMAR_IGNORES:
-            return f"{at}: '{key}' is not supported"
-        if key == "uniqueItems" and value is True:
-            return f"{at}: 'uniqueItems' is not supported"
-        if key == "allOf" and isinstance(value, list) and len(value) > 1:
-            return f"{at}: 'allOf' with more than one schema is not supported"
-        if key in ("anyOf", "oneOf") and value == []:
-            return f"{at}: an empty '{key}' matches nothing"
-        if key in _DATA:
-            continue
-        subs = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
-        if (why := next((w for sub in subs if (w := _unenforced(sub, at))), None)):
-            return why
-    return None
 
 
 class XGrammarBackend:
@@ -84,8 +49,8 @@ class XGrammarBackend:
     def compile(self, c: dict) -> Any:
         """-> (xgrammar's CompiledGrammar, whether it is JSON)."""
         kind, spec = c["kind"], c["spec"]
-        if kind == "json" and isinstance(spec, str) and (why := _unenforced(json.loads(spec))):
-            raise GrammarError(f"the json constraint uses what the xgrammar backend does not enforce: {why}")
+        if kind == "json" and isinstance(spec, str):
+            _check_schema(json.loads(spec))
         try:
             grammar = self._parse(kind, spec)
             empty = self._empty(grammar)
@@ -151,6 +116,15 @@ class XGrammarBackend:
 
     def is_finished(self, m) -> bool:
         return m.matcher.is_terminated()
+
+
+def _check_schema(schema) -> None:
+    """A schema xgrammar would compile into a grammar weaker than itself (schema.py) is refused,
+    or a "stop" answer would not validate against it."""
+    if (why := no_instance(schema)):
+        raise GrammarError(f"the json constraint holds a schema that no value matches: {why}")
+    if (why := xgrammar_unenforced(schema)):
+        raise GrammarError(f"the json constraint uses what the xgrammar backend does not enforce: {why}")
 
 
 class GuidanceBackend:
