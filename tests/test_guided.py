@@ -100,6 +100,37 @@ def test_xgrammar_refuses_keywords_it_would_not_enforce(tokenizer, schema, where
                                         "required": ["not"], "enum": [{"not": 1, "contains": 1}]}))
 
 
+CAT = {"type": "object", "required": ["pet", "meow"],
+       "properties": {"pet": {"type": "string", "const": "cat"}, "meow": {"type": "integer"}}}
+DOG = {"type": "object", "required": ["pet"], "properties": {"pet": {"enum": ["dog", "wolf"]}}}
+ONE_OF_SERVED = [
+    {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+    {"$defs": {"Cat": CAT, "Dog": DOG}, "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+     "discriminator": {"propertyName": "pet"}},                          # pydantic's discriminated union
+    {"oneOf": [{"enum": ["a", "b"]}, {"const": "c"}, {"type": "boolean"}]},
+]
+ONE_OF_REFUSED = [
+    {"oneOf": [{"type": "integer"}, {"type": "number"}]},                 # 1 matches both
+    {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+               {"type": "object", "properties": {"b": {"type": "integer"}}}]},   # {} matches both
+    {"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}},
+               {"type": "object", "properties": {"k": {"const": 2}}}]},          # k not required: {}
+    {"type": "array", "items": {"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]}},
+    {"oneOf": [{"$ref": "#/$defs/missing"}, {"type": "string"}]},
+]
+
+
+@pytest.mark.parametrize("schema", ONE_OF_REFUSED, ids=[str(i) for i in range(len(ONE_OF_REFUSED))])
+def test_xgrammar_refuses_a_one_of_whose_branches_may_overlap(tokenizer, schema):
+    """Black-box finding: xgrammar compiles oneOf as anyOf, so 1 passed oneOf [integer, number],
+    which refuses it. A oneOf is served where its branches are provably disjoint (README)."""
+    backend = make_backend("xgrammar", tokenizer, 2048, (2,))
+    with pytest.raises(GrammarError, match=r"oneOf: branches \d and \d may both match one value"):
+        backend.compile(specs.make("json", schema))
+    for fine in ONE_OF_SERVED:
+        backend.compile(specs.make("json", fine))
+
+
 NO_VALUE = [
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"], "additionalProperties": False},
      '#/required: "b" is required'),

@@ -344,6 +344,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "guided_choice": "a"}, "guided_choice"),
     ({"prompt": "x", "guided_regex": r"a[^\s\S]"}, "guided_regex"),               # matches no text
     ({"prompt": "x", "guided_json": {"type": "integer", "enum": ["a"]}}, "guided_json"),   # no valid value
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "response_format.json_schema.schema"),   # overlap
     ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
                                                      "required": ["b"], "additionalProperties": False}}},
      "structured_outputs.json"),

@@ -85,7 +85,7 @@ def no_instance(schema: Any) -> str | None:
 
 def xgrammar_unenforced(schema: Any) -> str | None:
     """The first place in a JSON schema that xgrammar would not enforce, as 'path: why'."""
-    return next((why for node, path, _ in walk(schema) if (why := _unenforced_at(node, path))), None)
+    return next((why for node, path, _ in walk(schema) if (why := _unenforced_at(node, path, schema))), None)
 
 
 def _no_instance_at(node: dict, path: str) -> str | None:
@@ -106,7 +106,7 @@ def _no_instance_at(node: dict, path: str) -> str | None:
     return None
 
 
-def _unenforced_at(node: dict, path: str) -> str | None:
+def _unenforced_at(node: dict, path: str, root: Any) -> str | None:
     for key, value in node.items():
         at = f"{path}/{_escaped(key)}"
         if key in XGRAMMAR_IGNORES:
@@ -121,16 +121,137 @@ def _unenforced_at(node: dict, path: str) -> str | None:
             return f"{path}/enum/{i}: {_shown(enum[i])} is not of type {_shown(node['type'])}"
     if (name := _undefined_required(node)) is not None:
         return f"{path}/required: {_shown(name)} is required, but 'properties' does not define it"
+    if isinstance(node.get("oneOf"), list) and (why := _one_of_overlap(node["oneOf"], root)):
+        return f"{path}/oneOf: {why}"
     return None
+
+
+# xgrammar compiles oneOf as anyOf: a value that matches two branches would pass, where oneOf
+# refuses it. So a oneOf is served only where no value can match two of its branches, as far as
+# these rules can prove it (llguidance refuses the same way): two branches are disjoint when
+# their types are (integer lies inside number), when both list their values (const, enum) and
+# share none, or, for objects, when a property both require has disjoint schemas (a
+# discriminator: {"kind": {"const": "cat"}} against {"kind": {"const": "dog"}}). Local $refs are
+# followed. Past MAX_ONE_OF branches the pairs are too many to check: refused.
+MAX_ONE_OF = 128
+_DISJOINT_DEPTH = 8       # nested discriminators and $ref hops followed; past them: not proven
+_ALL_TYPES = frozenset(("null", "boolean", "object", "array", "string", "integer", "fraction"))
+
+
+def _one_of_overlap(branches: list, root: Any) -> str | None:
+    if len(branches) > MAX_ONE_OF:
+        return (f"more than {MAX_ONE_OF} branches are too many to tell apart (xgrammar serves oneOf as "
+                f"anyOf); use anyOf")
+    for i, a in enumerate(branches):
+        for j in range(i + 1, len(branches)):
+            if not _disjoint(a, branches[j], root, _DISJOINT_DEPTH):
+                return (f"branches {i} and {j} may both match one value (xgrammar serves oneOf as anyOf): "
+                        f"tell them apart by type, or by the const/enum values of themselves or of a "
+                        f"property both require, or use anyOf")
+    return None
+
+
+def _disjoint(a: Any, b: Any, root: Any, budget: int) -> bool:
+    """Whether no value can match both schemas, by the rules above (False: not proven)."""
+    a, b = _resolved(a, root, budget), _resolved(b, root, budget)
+    if a is False or b is False:
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False                       # true, or a $ref this cannot follow
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not va & vb:
+        return True
+    common = _types(a) & _types(b)
+    if not common:
+        return True
+    if common != {"object"} or budget <= 0:
+        return False
+    pa, pb = a.get("properties"), b.get("properties")
+    if not isinstance(pa, dict) or not isinstance(pb, dict):
+        return False
+    both = set(_required(a)) & set(_required(b)) & pa.keys() & pb.keys()
+    return any(_disjoint(pa[p], pb[p], root, budget - 1) for p in sorted(both))
+
+
+def _resolved(schema: Any, root: Any, budget: int) -> Any:
+    """The schema with its local $ref followed (its own keywords over the target's: each is a
+    constraint all the same); None where a $ref leads nowhere this can read."""
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        target = _pointed(root, schema["$ref"])
+        budget -= 1
+        if target is None or budget < 0:
+            return None
+        if not isinstance(target, dict):
+            return target if len(schema) == 1 else None
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def _pointed(root: Any, ref: str) -> Any:
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _values(schema: dict) -> frozenset | None:
+    """The values a schema lists (const, enum) as comparable keys (1 and 1.0 are one value)."""
+    listed = _listed(schema)
+    return None if listed is None else frozenset(map(_value_key, listed))
+
+
+def _value_key(value: Any) -> str:
+    def norm(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def _types(schema: dict) -> frozenset:
+    """The types of value a schema may match ("fraction": a number that is not an integer)."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if isinstance(types, list) and all(t in JSON_TYPES for t in types):
+        allowed = set()
+        for t in types:
+            allowed |= {"integer", "fraction"} if t == "number" else {t}
+    else:
+        allowed = set(_ALL_TYPES)
+    values = _listed(schema)
+    if values is not None:
+        allowed &= {"fraction" if json_type(v) == "number" else json_type(v) for v in values}
+    return frozenset(allowed)
+
+
+def _listed(schema: dict) -> list | None:
+    if "const" in schema:
+        return [schema["const"]]
+    return schema["enum"] if isinstance(schema.get("enum"), list) else None
+
+
+def _required(schema: dict) -> list:
+    required = schema.get("required")
+    return [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
 
 
 def _undefined_required(node: dict) -> str | None:
     """A name in `required` that `properties` does not define (xgrammar writes only those)."""
-    required, properties = node.get("required"), node.get("properties")
-    if not isinstance(required, list):
-        return None
+    properties = node.get("properties")
     defined = properties if isinstance(properties, dict) else {}
-    return next((name for name in required if isinstance(name, str) and name not in defined), None)
+    return next((name for name in _required(node) if name not in defined), None)
 
 
 def _escaped(key: str) -> str:
