@@ -364,6 +364,24 @@ def test_bad_completion_requests_get_400_and_never_reach_the_scheduler(client, f
     assert len(fake.messages(protocol.AddRequest)) == before
 
 
+def test_a_schema_as_deep_as_the_grammar_limit_passes_the_body_limit(client, fake):
+    """Black-box finding: a schema of 31 nested objects was refused as a body "nested more than 64
+    levels deep" (two levels of JSON a property), below --max-grammar-depth (32). The body's bound
+    follows the schema's now, and the schema's own limit names its flag."""
+    def nested(levels):
+        schema = {"type": "integer"}
+        for _ in range(levels - 1):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return {"prompt": "x", "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+    before = len(fake.messages(protocol.AddRequest))
+    assert client.post("/v1/completions", json=nested(32)).status_code == 200
+    assert len(fake.messages(protocol.AddRequest)) == before + 1
+    r = client.post("/v1/completions", json=nested(33))
+    assert_error(r, 400, "response_format.json_schema.schema")
+    assert "--max-grammar-depth" in r.json()["error"]["message"]
+
+
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
