@@ -94,7 +94,7 @@ def candidate(cfg: PlanConfig, kv_cache_gib: float | None, block_size: int) -> d
 
     def run(rate: float) -> dict:
         summaries[rate] = summary_of(simulate(run_config(cfg, kv_cache_gib, block_size, rate)))
-        return summaries[rate]
+        return _with_requests(summaries[rate], cfg.trace)
     found = bisect_rate(run, limits, cfg.tolerance)
     first = next(iter(summaries.values()))
     at = summaries.get(found["rate"])
@@ -102,6 +102,18 @@ def candidate(cfg: PlanConfig, kv_cache_gib: float | None, block_size: int) -> d
             else first["num_kv_token_slots"] * first["profile"]["model"]["kv_bytes_per_token"] / GiB,
             "num_kv_token_slots": first["num_kv_token_slots"], "block_size": block_size, **found,
             "at_rate": {key: at[key] for key in limits} if at else None}
+
+
+def _with_requests(summary: dict, trace: str) -> dict:
+    """The run's summary; ValueError where it sent no request, which no rate changes: a plan of it
+    said 0 req/s and exited 0, as if a replica could serve nothing."""
+    if summary["num_prompts"] == 0:
+        fit = summary["fit"]
+        if not fit["read"]:
+            raise ValueError(f"the trace {trace} holds no requests: nothing to plan for")
+        raise ValueError(f"none of the {fit['read']} requests read from the trace {trace} fits the model's "
+                         f"context ({fit['max_model_len']} tokens): nothing to plan for")
+    return summary
 
 
 def replicas_for(target: float | None, rate: float) -> int | None:

@@ -99,6 +99,31 @@ def test_oversized_constraints_are_refused_before_compiling(tokenizer, kind, val
         cache.close()
 
 
+def nested_objects(levels: int) -> dict:
+    """An object schema `levels` deep: each level one required property holding the next."""
+    schema = {"type": "integer"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+    return schema
+
+
+def test_the_depth_limit_counts_the_schemas_nesting_not_its_json(tokenizer):
+    """Black-box finding: 16 nested objects were "nested deeper than 32" (each property is two
+    levels of JSON: the properties map, then the schema). Now 32 levels of schema pass, the 33rd
+    is refused naming its place, and the JSON is bounded apart (an enum value 200 deep)."""
+    cache = CompileCache(lambda name: make_backend(name, tokenizer, 2048, (2,)))
+    try:
+        cache.compile(specs.make("json", nested_objects(32)))
+        cache.compile(specs.make("json", {"anyOf": [nested_objects(31), {"type": "null"}]}))
+        with pytest.raises(GrammarError, match=r"nested deeper than 32 at #(/properties/a){32} \(--max-grammar-depth"):
+            cache.compile(specs.make("json", nested_objects(33)))
+        deep_value = json.loads("[" * 200 + "]" * 200)
+        with pytest.raises(GrammarError, match=r"JSON is nested deeper than 128 \(4 x --max-grammar-depth"):
+            cache.compile(specs.make("json", {"enum": [deep_value]}))
+    finally:
+        cache.close()
+
+
 def test_a_compile_past_its_deadline_is_a_400_at_the_router(tokenizer, monkeypatch):
     """Finding 2: the router awaited the compile until --request-timeout (a 504 at best); now the
     compile deadline ends in a 400, and the late result is refused, not cached as good."""
@@ -168,6 +193,25 @@ def test_a_grammar_with_an_empty_language_is_a_400(tokenizer, backend):
             cache.compile(specs.make("grammar", fine, backend))
     finally:
         cache.close()
+
+
+# Black-box findings: each compiled, and "a" (or "(") passed the first mask with nothing to follow.
+NO_TEXT = [("regex", r"a[^\s\S]"), ("regex", r"[^\s\S]"), ("regex", r"(a|b)[^\s\S]c"),
+           ("grammar", "root ::= []"), ("grammar", r'root ::= "a" [^\x00-\U0010FFFF]'),
+           ("grammar", 'root ::= "(" x{2} ")"\nx ::= x "a"')]
+SOME_TEXT = [("regex", r"[^\s\S]*"), ("grammar", r'root ::= "a" [^\x00-\uFFFF]'),
+             ("grammar", 'root ::= "(" x{0,2} ")"\nx ::= x "a"')]
+
+
+@pytest.mark.parametrize("kind, value", NO_TEXT, ids=[v for _, v in NO_TEXT])
+def test_a_regex_or_grammar_that_matches_no_text_is_a_400(tokenizer, kind, value):
+    """An empty character class ([^\\s\\S], [^\\x00-\\U0010FFFF]) or a repetition of an empty rule
+    deep in the constraint: its language is empty though its first mask is not."""
+    backend = make_backend("xgrammar", tokenizer, 2048, (2,))
+    with pytest.raises(GrammarError, match="matches no text at all"):
+        backend.compile(specs.make(kind, value))
+    for kind, fine in SOME_TEXT:     # the empty text, a class of what lies past U+FFFF, zero repeats
+        backend.compile(specs.make(kind, fine))
 
 
 def test_a_dead_end_is_held_to_eos_and_warned_about_once(tokenizer, caplog, monkeypatch):

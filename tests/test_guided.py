@@ -75,7 +75,7 @@ def test_the_compile_cache_is_bounded_lru_and_remembers_failures(tokenizer):
 
 @pytest.mark.parametrize("schema, where", [
     ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "#/allOf"),
-    ({"type": "object", "properties": {"a": {"not": {"type": "integer"}}}}, "#/properties/not"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "integer"}}}}, "#/properties/a/not"),
     ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "#/if"),
     ({"type": "array", "contains": {"const": 5}}, "#/contains"),
     ({"anyOf": []}, "#/anyOf"),
@@ -84,6 +84,10 @@ def test_the_compile_cache_is_bounded_lru_and_remembers_failures(tokenizer):
     ({"type": "number", "multipleOf": 0.5}, "#/multipleOf"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "#/dependentRequired"),
     ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "#/dependentSchemas"),
+    # Black-box findings: "stop" answers 1 (an enum value of the wrong type) and {} (no "b").
+    ({"type": "string", "enum": ["a", 1]}, "#/enum/1: 1 is not of type"),
+    ({"type": "object", "required": ["b"]}, '#/required: "b" is required'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '"b" is required'),
 ])
 def test_xgrammar_refuses_keywords_it_would_not_enforce(tokenizer, schema, where):
     """These compiled and were ignored: answers that ended with "stop" did not validate
@@ -93,7 +97,66 @@ def test_xgrammar_refuses_keywords_it_would_not_enforce(tokenizer, schema, where
         backend.compile(specs.make("json", schema))
     # A property *named* like a keyword, and keywords inside data, are no schema keywords.
     backend.compile(specs.make("json", {"type": "object", "properties": {"not": {"type": "integer"}},
-                                        "required": ["if"], "enum": [{"contains": 1}]}))
+                                        "required": ["not"], "enum": [{"not": 1, "contains": 1}]}))
+
+
+CAT = {"type": "object", "required": ["pet", "meow"],
+       "properties": {"pet": {"type": "string", "const": "cat"}, "meow": {"type": "integer"}}}
+DOG = {"type": "object", "required": ["pet"], "properties": {"pet": {"enum": ["dog", "wolf"]}}}
+ONE_OF_SERVED = [
+    {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+    {"$defs": {"Cat": CAT, "Dog": DOG}, "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+     "discriminator": {"propertyName": "pet"}},                          # pydantic's discriminated union
+    {"oneOf": [{"enum": ["a", "b"]}, {"const": "c"}, {"type": "boolean"}]},
+]
+ONE_OF_REFUSED = [
+    {"oneOf": [{"type": "integer"}, {"type": "number"}]},                 # 1 matches both
+    {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+               {"type": "object", "properties": {"b": {"type": "integer"}}}]},   # {} matches both
+    {"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}},
+               {"type": "object", "properties": {"k": {"const": 2}}}]},          # k not required: {}
+    {"type": "array", "items": {"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]}},
+    {"oneOf": [{"$ref": "#/$defs/missing"}, {"type": "string"}]},
+]
+
+
+@pytest.mark.parametrize("schema", ONE_OF_REFUSED, ids=[str(i) for i in range(len(ONE_OF_REFUSED))])
+def test_xgrammar_refuses_a_one_of_whose_branches_may_overlap(tokenizer, schema):
+    """Black-box finding: xgrammar compiles oneOf as anyOf, so 1 passed oneOf [integer, number],
+    which refuses it. A oneOf is served where its branches are provably disjoint (README)."""
+    backend = make_backend("xgrammar", tokenizer, 2048, (2,))
+    with pytest.raises(GrammarError, match=r"oneOf: branches \d and \d may both match one value"):
+        backend.compile(specs.make("json", schema))
+    for fine in ONE_OF_SERVED:
+        backend.compile(specs.make("json", fine))
+
+
+NO_VALUE = [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"], "additionalProperties": False},
+     '#/required: "b" is required'),
+    ({"type": "integer", "enum": ["a"]}, "#/enum: none of its values is of type"),
+    ({"type": "integer", "const": "a"}, '#/const: "a" is not of type "integer"'),
+    ({"type": "object", "properties": {"a": {"type": "boolean", "enum": [0, 1]}}, "required": ["a"]},
+     "#/properties/a/enum"),
+    ({"enum": []}, "#/enum"),
+    ({"type": []}, "#/type"),
+    ({"type": "object", "required": ["a"], "properties": {"a": {"type": "string", "pattern": r"a[^\s\S]"}}},
+     "matches no text at all"),
+]
+
+
+@pytest.mark.parametrize("backend", specs.BACKENDS)
+@pytest.mark.parametrize("schema, why", NO_VALUE, ids=[str(i) for i in range(len(NO_VALUE))])
+def test_a_schema_that_no_value_matches_is_refused(tokenizer, backend, schema, why):
+    """Black-box findings: these compiled on xgrammar and wrote what the schema refuses ('"a"' for
+    an integer, {"a":1} without the required "b"). llguidance finds them unsatisfiable itself."""
+    b = make_backend(backend, tokenizer, 2048, (2,))
+    with pytest.raises(GrammarError, match=re.escape(why) if backend == "xgrammar" else "nsatisfiable|empty"):
+        b.compile(specs.make("json", schema, backend))
+    # What stays: an enum of integral numbers for an integer, a number for a number, a required
+    # name matched by additional properties on llguidance.
+    b.compile(specs.make("json", {"type": "integer", "enum": [1, 2.0]}, backend))
+    b.compile(specs.make("json", {"type": ["number", "null"], "const": 3}, backend))
 
 
 def _req(seq_id, params, output, has_history=True):

@@ -198,6 +198,19 @@ def test_plan_refuses_a_bad_slo_and_a_bad_profile(tmp_path, profile_path):
     assert r.returncode == 2 and "missing.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_plan_refuses_a_trace_it_can_send_nothing_of(tmp_path, profile_path):
+    """Black-box finding: an empty trace, or one whose every request exceeds the context (1024
+    tokens in the profile), planned 0 req/s and exited 0."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "long.jsonl").write_text("".join(
+        json.dumps({"timestamp": i, "input_length": 5000, "output_length": 10}) + "\n" for i in range(5)))
+    for trace, cause in (("empty.jsonl", "holds no requests"), ("long.jsonl", "none of the 5 requests")):
+        r = run_cli("plan", "--profile", str(profile_path), "--slo", "ttft_p99=500", "--kv-cache-gib", "0.01",
+                    "--trace", str(tmp_path / trace), "--out", str(tmp_path))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and cause in lines[0], r.stderr
+
+
 API = {"request_overhead_s": 4 * MS,
        "step_overhead": {"batch": [1, 5], "context": [48, 528],
                          "seconds": [[0.5 * MS, 0.9 * MS], [1.5 * MS, 2.7 * MS]]}}

@@ -342,6 +342,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "foo"}}}}, "guided_json"),
     ({"prompt": "x", "guided_choice": "a"}, "guided_choice"),
+    ({"prompt": "x", "guided_regex": r"a[^\s\S]"}, "guided_regex"),               # matches no text
+    ({"prompt": "x", "guided_json": {"type": "integer", "enum": ["a"]}}, "guided_json"),   # no valid value
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "response_format.json_schema.schema"),   # overlap
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                     "required": ["b"], "additionalProperties": False}}},
+     "structured_outputs.json"),
     ({"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
@@ -355,6 +362,24 @@ def test_bad_completion_requests_get_400_and_never_reach_the_scheduler(client, f
     # json.dumps escapes lone surrogates (\ud800), which httpx's own encoder cannot write.
     assert_error(client.post("/v1/completions", content=json.dumps(body), headers=JSON), 400, param)
     assert len(fake.messages(protocol.AddRequest)) == before
+
+
+def test_a_schema_as_deep_as_the_grammar_limit_passes_the_body_limit(client, fake):
+    """Black-box finding: a schema of 31 nested objects was refused as a body "nested more than 64
+    levels deep" (two levels of JSON a property), below --max-grammar-depth (32). The body's bound
+    follows the schema's now, and the schema's own limit names its flag."""
+    def nested(levels):
+        schema = {"type": "integer"}
+        for _ in range(levels - 1):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return {"prompt": "x", "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+    before = len(fake.messages(protocol.AddRequest))
+    assert client.post("/v1/completions", json=nested(32)).status_code == 200
+    assert len(fake.messages(protocol.AddRequest)) == before + 1
+    r = client.post("/v1/completions", json=nested(33))
+    assert_error(r, 400, "response_format.json_schema.schema")
+    assert "--max-grammar-depth" in r.json()["error"]["message"]
 
 
 BAD_CHATS = [

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from pagedserve.services.curve import SocketGuard
 from pagedserve.services.guided.cache import CompileCache
 from pagedserve.services.guided.compile_process import CompileProcess
+from pagedserve.services.guided.limits import Limits
 from pagedserve.services.router.admission import Admission, Ticket
 from pagedserve.services.router.detokenizer import TokenTexts, fast_decoder
 from pagedserve.services.router.errors import APIError, bad_request
@@ -32,6 +33,10 @@ from pagedserve.services.router.openai_schema import MAX_STOP_TOKEN_IDS, BodyLim
 from pagedserve.services.router.replicas import Backends
 from pagedserve.services.state import StateStore, hash_api_key
 
+# Levels of a body above a schema in it (body, tools, a tool, function, parameters; or
+# response_format, json_schema, schema), with room: a schema as deep as --max-grammar-depth lets is
+# refused by that limit, which names the schema's place, not by the body's.
+SCHEMA_ENVELOPE = 8
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # application/json, and the structured-syntax types built on it (application/merge-patch+json ...).
 _JSON_TYPE = re.compile(r"application/(?:[a-z0-9.!#$&^_-]+\+)?json")
@@ -137,7 +142,8 @@ class RouterContext:
         limits = BodyLimits(values=self.config.max_json_values, containers=self.config.max_json_containers,
                             lists={"messages": self.config.max_chat_messages,
                                    "stop_token_ids": MAX_STOP_TOKEN_IDS},
-                            batches={prompts: self.max_batch_prompts} if prompts else {})
+                            batches={prompts: self.max_batch_prompts} if prompts else {},
+                            depth=max(BodyLimits.depth, Limits.of(self.config).max_json_depth + SCHEMA_ENVELOPE))
         return await self.off_loop(parse_body, raw, model, limits, size=len(raw)), len(raw)
 
     async def off_loop(self, fn, *args, size: int, refuse: bool = True):

@@ -175,6 +175,9 @@ class BodyLimits:
     `/detokenize` of 2,000,000 `[1]` (10 MB) took 11 s and restarted the router. Every container
     costs a Python object and a validation step; every value at least an object."""
     values: int = 1 << 20                       # array items and object members, containers included
+    # Arrays and objects inside each other: far deeper than any request takes, but for a schema
+    # nested as deep as --max-grammar-depth lets it, to which the router raises it (context.py).
+    depth: int = 64
     containers: int = 1 << 16                   # arrays and objects, at any depth
     lists: Mapping[str, int] = field(default_factory=dict)    # top-level lists: their most items
     # Top-level fields that are a prompt or a batch of them: their most prompts (a flat list of
@@ -185,7 +188,8 @@ class BodyLimits:
 def parse_body(raw: bytes, model: type[BaseModel], limits: BodyLimits | None = None) -> Any:
     """JSON bytes -> a validated request model, or APIError(400) in the OpenAI shape. The limits
     are checked before anything is parsed."""
-    _check_limits(raw, limits or BodyLimits())
+    limits = limits or BodyLimits()
+    _check_limits(raw, limits)
     too_deep = False
     try:
         data = json.loads(raw)
@@ -196,8 +200,8 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: BodyLimits | None = N
     if not isinstance(data, dict):   # (a body of `null` too: found by a black-box check)
         raise bad_request("The request body must be a JSON object")
     # Validation (and any later walk of the body) recurses too: a bound keeps a deep body a 400.
-    if too_deep or _depth_exceeds(raw, data, MAX_JSON_DEPTH):
-        raise bad_request(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep")
+    if too_deep or _depth_exceeds(raw, data, limits.depth):
+        raise bad_request(f"The request body is nested more than {limits.depth} levels deep")
     # The JSON escape \ud800 decodes to a str that no later step can encode (a 500, or a garbled
     # error message): refused here, for every field at once.
     bad = _lone_surrogate_at(data) if _LONE_SURROGATE.search(raw) else None
@@ -279,10 +283,6 @@ def _shape_decoder(names: tuple[str, ...]) -> msgspec.json.Decoder:
         fields = [(n, list[msgspec.Raw] | str | None, None) for n in names]
         _SHAPES[names] = msgspec.json.Decoder(msgspec.defstruct("Shape", fields))
     return _SHAPES[names]
-
-
-# Far deeper than any request this API takes (a tool schema is a few levels).
-MAX_JSON_DEPTH = 64
 
 
 def _depth_exceeds(raw: bytes, data, limit: int) -> bool:
