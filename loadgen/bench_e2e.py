@@ -3,7 +3,9 @@
 1. A Poisson arrival process at a fixed rate: output tokens/s, TTFT and TPOT (streamed, measured
    by loadgen's client with vllm bench serve's definitions).
 2. Saturation: every request at once, through the API, against the offline engine (same cores in
-   one process) on the same requests: the ratio is the price of the process boundaries.
+   one process) on the same requests: the ratio is the price of the process boundaries. For each
+   streamed round, the CPU seconds each process took (from /proc) and the router's per output token:
+   one SSE event per token, so what a token costs on its way out.
 
     python -m pagedserve.loadgen.bench_e2e [--requests 64] [--rate 4] [--prompt-len 128] [--max-tokens 128]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import random
 import statistics
 import time
@@ -48,6 +51,27 @@ def drive(url: str, model: str, reqs, rate: float | None, seed: int,
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0].error}: {failed[0].error_detail}")
     return result.records, summarize([r for r in result.records], [99])["duration"]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (/proc/PID/stat; a gone one counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])      # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def drive_counted(stack, model: str, reqs, seed: int) -> tuple[list, float, dict[str, float]]:
+    """drive() all at once, streamed, with the CPU seconds each role's processes took meanwhile."""
+    from pagedserve.loadgen.soak import ROLES, role_pids
+    pids = {role: role_pids(stack.proc.pid, role) for role in ROLES}
+    before = {role: cpu_seconds(p) for role, p in pids.items()}
+    records, elapsed = drive(stack.url, model, reqs, None, seed)
+    return records, elapsed, {role: cpu_seconds(p) - before[role] for role, p in pids.items()}
 
 
 def offline_tokens_per_s(model: str, reqs, config_kw: dict) -> tuple[int, float]:
@@ -108,7 +132,7 @@ def main(argv=None) -> int:
         drive(stack.url, args.model, reqs, None, args.seed, stream=False)
         for _ in range(args.rounds):
             offline.append(offline_tokens_per_s(args.model, reqs, {"num_device_blocks": args.num_device_blocks}))
-            streamed.append(drive(stack.url, args.model, reqs, None, args.seed))
+            streamed.append(drive_counted(stack, args.model, reqs, args.seed))
             unstreamed.append(drive(stack.url, args.model, reqs, None, args.seed, stream=False))
         time.sleep(1.5)   # the scheduler logs its step timing once it has been idle a heartbeat
     finally:
@@ -120,11 +144,15 @@ def main(argv=None) -> int:
           f"{'TPOT ms':>8} {'p99':>8}")
     print(summary(f"API, Poisson {args.rate}/s", *poisson))
     best = lambda runs: min(runs, key=lambda r: r[1])
-    print(summary("API, all at once, SSE", *best(streamed)))
+    print(summary("API, all at once, SSE", *best(streamed)[:2]))
     print(summary("API, all at once, JSON", *best(unstreamed)))
     tokens, elapsed = best(offline)
     print(f"{'offline engine':<22} {args.requests:>4} {tokens:>7} {elapsed:>8.1f} {tokens / elapsed:>9.1f}")
     rate = lambda run: sum(r.output_tokens for r in run[0]) / run[1]
+    for i, (records, _, cpu) in enumerate(streamed, 1):
+        tokens_out = sum(r.output_tokens for r in records)
+        print(f"SSE round {i}, CPU s by process: " + ", ".join(f"{role} {s:.2f}" for role, s in cpu.items())
+              + f"; router {cpu['router'] / tokens_out * 1e6:.0f} us per output token (one event each)")
     print("tok/s per round: offline " + " ".join(f"{t / e:.0f}" for t, e in offline)
           + " | SSE " + " ".join(f"{rate(r):.0f}" for r in streamed)
           + " | JSON " + " ".join(f"{rate(r):.0f}" for r in unstreamed))

@@ -101,6 +101,12 @@ def test_e2e_quick_prints_its_table(tiny_llama, capsys):
                            "--max-tokens", "4", "--num-device-blocks", "64"]) == 0
     out = capsys.readouterr().out
     assert "API, Poisson" in out and "API, all at once" in out and "stack / offline at saturation" in out
+    # Each streamed round: every role's CPU, and the router's per token (in clock ticks of 10 ms:
+    # 12 tokens may cost none, so only the figures' presence is checked).
+    cpu = [line for line in out.splitlines() if line.startswith("SSE round")]
+    assert len(cpu) == 2 and all(f"{role} " in line for line in cpu
+                                 for role in ("worker", "kvstore", "scheduler", "router"))
+    assert all(int(line.rsplit("router ", 1)[1].split()[0]) >= 0 for line in cpu)
 
 
 def test_kernel_benchmark_quick_prints_every_cell(capsys, tmp_path):
