@@ -28,7 +28,7 @@ WARM = 1            # decode steps run untimed after the batch starts decoding (
 COPY_BLOCKS = 64    # blocks per timed copy (fewer where they would pass COPY_BYTES)
 COPY_BYTES = 1 << 30
 FIRST_ID = 10       # prompt token ids are drawn from [10, vocab): clear of the special tokens
-API_OUTPUT = 32     # forced tokens of each stream that measures a served step (profile_api)
+API_OUTPUT = 32     # decode steps that the streams measuring a served step take together (profile_api)
 
 
 def profile(cfg) -> dict:
@@ -81,7 +81,7 @@ def profile(cfg) -> dict:
         contexts = sorted({min(c, spec.max_model_len - API_OUTPUT - 2) for c in cfg.api_context})
         api = {"api": measure_api(model, flags, tokens[0], prefill[0][0][0], spec.vocab_size,
                                   [b for b in cfg.api_batch if b <= batch[-1]] or [batch[0]], contexts,
-                                  lambda b, c: interp2(grid, b, c), output_len=API_OUTPUT)}
+                                  lambda b, c: interp2(grid, b, c), decode_len=API_OUTPUT)}
 
     raw = {"version": VERSION,
            "machine": machine(cfg.device),

@@ -11,27 +11,31 @@ prompt each (no prefix-cache hit), as the median of `requests`; the path is that
 profile's own step for the same prompt. The simulator adds it to every token time of a request:
 the way in delays the whole response, the way out every event of it.
 
+The path is timed with loadgen replay's own client (aiohttp, its TTFT definition), the client
+`loadgen fidelity` measures the stack with, one request at a time.
+
 A served step costs more than the offline engine's on the same cores: the router sends each token
 as an SSE event and the client reads it, the scheduler plans and the kvstore applies the step's ops
 in processes of their own, and on a 2-core machine they all share the cores with the worker (the
 tiny model: 2.5 ms a token served against 1.7 ms offline at the same batch), and the more so the
 longer the contexts (the step message carries every row's block table). So B streams are sent at
-once, each a prompt of C tokens and `output_len` forced tokens, for B along the decode batch axis
-and a short and a long C; their mean TPOT is the served step at (B, C), and the step overhead is
-that minus the profile's engine step at B and the decode's mean context (its decode grid
+once, each a prompt of C tokens, for B along the decode batch axis and a short and a long C, and
+the served decode step at (B, C) is timed over the window in which all B decode together: from the
+last stream's first token to the first stream's end. (Their mean TPOT would count the prefills
+too: at B = 256, C = 512 the streams admitted first decode their first 64 tokens beside the
+others' prompt chunks.) Each stream is forced to
+decode_len tokens past the prefill steps of all B prompts, so that the window holds about
+decode_len steps; events carry text, and a token whose text is not out yet sends none, so the steps
+in the window are its events over B and the share of tokens with an event. The step overhead is
+that step minus the profile's engine step at B and the window's mean context (its decode grid
 interpolated). The simulator adds the overhead, interpolated at a step's rows and their mean
 context, to every step.
 """
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import math
-import random
 import statistics
-import time
-from urllib.parse import urlsplit
 
 from pagedserve.loadgen.config import ReplayConfig
 from pagedserve.loadgen.metrics import summarize
@@ -39,56 +43,64 @@ from pagedserve.loadgen.replay import run_replay
 from pagedserve.loadgen.stack import Stack
 
 
-def first_event_s(url: str, model: str, prompt: list[int], timeout_s: float = 60.0) -> float:
-    """Seconds from sending a streamed completion to its first event carrying text."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "min_tokens": 2, "ignore_eos": True,
-                       "temperature": 0, "stream": True})
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"the profiled stack answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                elapsed = time.perf_counter() - t0
-                resp.read()            # the rest of the stream: the next request starts on an idle stack
-                return elapsed
-        raise RuntimeError("the profiled stack's stream ended without a token")
-    finally:
-        conn.close()
+def request_ttfts(url: str, model: str, prompt_len: int, count: int, seed: int) -> list[float]:
+    """TTFT of `count` streamed requests of fresh `prompt_len`-token prompts, sent one at a time
+    (loadgen replay's client: nothing queued, nothing batched)."""
+    cfg = ReplayConfig(url=url, model=model, trace="random", input_len=prompt_len, output_len=2, range_ratio=0.0,
+                       num_requests=count, rate=math.inf, max_concurrency=1, seed=seed, metrics_interval=0,
+                       plots=False, progress=False)
+    records = asyncio.run(run_replay(cfg)).records
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"the profiled stack failed {len(failed)} of {count} requests: {failed[0].error_detail}")
+    return [r.ttft for r in records]
 
 
-def served_tpot_s(url: str, batch: int, context: int, output_len: int) -> float:
-    """Mean TPOT of `batch` streams sent at once (loadgen replay's client and definition)."""
-    cfg = ReplayConfig(url=url, trace="random", input_len=context, output_len=output_len, range_ratio=0.0,
-                       num_requests=batch, rate=math.inf, metrics_interval=0, plots=False, progress=False)
-    run = asyncio.run(run_replay(cfg))
-    figures = summarize(run.records, [50.0])
-    if figures["failed"]:
-        raise RuntimeError(f"the profiled stack failed {figures['failed']} of {batch} requests")
-    return figures["mean_tpot_ms"] / 1000.0
+def served_step_s(url: str, batch: int, context: int, decode_len: int, step_tokens: int) -> tuple[float, float]:
+    """(the served decode step at `batch` streams of `context`-token prompts, the window's mean
+    context): the module's window, every stream forced to decode_len tokens past all B prefills
+    (at most step_tokens prompt tokens a step)."""
+    prefill_steps = -(-batch * context // step_tokens)
+    cfg = ReplayConfig(url=url, trace="random", input_len=context, output_len=decode_len + prefill_steps,
+                       range_ratio=0.0, num_requests=batch, rate=math.inf, metrics_interval=0, plots=False,
+                       progress=False)
+    records = asyncio.run(run_replay(cfg)).records
+    if any(not r.ok or not r.token_times for r in records):
+        raise RuntimeError(f"the profiled stack failed a request of {batch} streams of {context} tokens")
+    step = window_step(records)
+    if step is None:
+        raise RuntimeError(f"{batch} streams of {context} tokens never all decoded together for a step")
+    return step, context + (prefill_steps + decode_len) / 2
+
+
+def window_step(records) -> float | None:
+    """The step time while every stream decodes (the module's window), from the streams' event
+    times and output tokens; None when the window holds fewer events than streams."""
+    start = max(r.token_times[0] for r in records)     # every stream decodes from here ...
+    end = min(r.token_times[-1] for r in records)      # ... until the first one ends
+    events = sum(1 for r in records for t in r.token_times if start < t <= end)
+    if events < len(records):
+        return None
+    with_text = sum(len(r.token_times) for r in records) / sum(r.output_tokens for r in records)
+    return (end - start) * with_text * len(records) / events
 
 
 def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vocab: int, batches: list[int],
-                contexts: list[int], engine_decode_s, output_len: int = 32, requests: int = 20,
-                warmup: int = 3) -> dict:
+                contexts: list[int], engine_decode_s, decode_len: int = 32, requests: int = 20,
+                warmup: int = 3, step_tokens: int = 2048) -> dict:
     """The "api" entry. engine_decode_s(batch, context) -> the profile's engine step there."""
-    rng = random.Random(1)
-    stack = Stack(model, *flags)
+    stack = Stack(model, *flags, "--max-num-batched-tokens", str(step_tokens))
     try:
-        ttfts = [first_event_s(stack.url, model, [rng.randrange(10, vocab) for _ in range(prompt_len)])
-                 for _ in range(warmup + requests)][warmup:]
-        served = [[served_tpot_s(stack.url, b, c, output_len) for c in contexts] for b in batches]
+        ttfts = request_ttfts(stack.url, model, prompt_len, warmup + requests, seed=1)[warmup:]
+        served = [[served_step_s(stack.url, b, c, decode_len, step_tokens) for c in contexts] for b in batches]
     finally:
         stack.stop()
     ttft = statistics.median(ttfts)
-    mid = output_len / 2              # the decode steps' mean context is the prompt's plus this
+    # The context axis: the prompt and half the window, as a decode step's mean context is read.
     return {"request_overhead_s": max(0.0, ttft - step_s), "ttft_s": ttft, "engine_step_s": step_s,
             "requests": requests, "prompt_tokens": prompt_len,
-            "step_overhead": {"batch": list(batches), "context": [c + mid for c in contexts],
-                              "seconds": [[s - engine_decode_s(b, c + mid) for c, s in zip(contexts, row)]
-                                          for b, row in zip(batches, served)],
-                              "served_step_s": served, "output_len": output_len}}
+            "step_overhead": {"batch": list(batches), "context": [c + decode_len / 2 for c in contexts],
+                              "seconds": [[s - engine_decode_s(b, ctx) for s, ctx in row] for b, row in zip(batches, served)],
+                              "served_step_s": [[s for s, _ in row] for row in served],
+                              "window_context": [[ctx for _, ctx in row] for row in served],
+                              "decode_len": decode_len, "step_tokens": step_tokens}}

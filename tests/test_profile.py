@@ -112,6 +112,8 @@ def test_the_api_entry_measures_a_real_stack(tiny_profile):
     assert api["step_overhead"]["batch"] == [1]              # api_batch above the decode grid's 2: skipped
     assert api["step_overhead"]["context"] == [32 + 16, 512 + 16]   # the decode's mean context
     assert all(s > 0 for row in api["step_overhead"]["served_step_s"] for s in row)
+    # Subtracted at the window's own mean context: past the prompt by half the decode and the prefills.
+    assert [c for row in api["step_overhead"]["window_context"] for c in row] == [32 + 16.5, 512 + 16.5]
     loaded = step_profile.load(path)
     assert loaded.request_overhead_s == api["request_overhead_s"] and loaded.step_overhead is not None
 
@@ -141,3 +143,19 @@ def test_fidelity_refuses_a_profile_of_another_model(tiny_profile, tmp_path, cap
     code = main(["fidelity", "--model", raw["model"]["path"], "--profile", str(other), "--out", str(tmp_path / "f")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "/elsewhere/model" in err[0]
+
+
+def test_the_served_step_is_timed_while_every_stream_decodes():
+    """profile_api.window_step by hand: two streams, a step every 10 ms; the second starts 3 steps
+    late (the first decoded beside its prefill), one of its tokens sent no event (its text was not
+    out yet), the first ends first. Inside the window each step gives both a token: 10 ms."""
+    from pagedserve.loadgen.client import RequestRecord
+    from pagedserve.loadgen.profile_api import window_step
+    a = RequestRecord(0, 0.0, 8, 10, token_times=[0.010 * k for k in range(1, 11)], output_tokens=10)
+    b_times = [0.010 * k for k in range(4, 16) if k != 7]     # the token of step 7 had no text
+    b = RequestRecord(1, 0.0, 8, 12, token_times=b_times, output_tokens=12)
+    # Window (0.04, 0.10]: a's 6 events and b's 5; tokens with an event: 21 of 22.
+    assert window_step([a, b]) == pytest.approx(0.06 * (21 / 22) * 2 / 11)
+    assert window_step([a, b]) == pytest.approx(0.010, rel=0.05)
+    late = RequestRecord(2, 0.0, 8, 2, token_times=[0.2, 0.21], output_tokens=2)   # after a ended
+    assert window_step([a, late]) is None
