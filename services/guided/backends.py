@@ -75,7 +75,7 @@ class XGrammarBackend:
 
     @staticmethod
     def _empty(grammar) -> bool:
-        """`root ::= x`, `x ::= x "a"` compiled, and every token was refused until max_tokens
+        r"""`root ::= x`, `x ::= x "a"` compiled, and every token was refused until max_tokens
         (issue 28, finding 8); `a[^\s\S]` let "a" through, then nothing. The productive-rules test
         (productive.py) on the parsed form finds a grammar that dead-ends anywhere, for every kind
         (the compiled form is no use: 25 MB serialized for 300 optional properties). A format it

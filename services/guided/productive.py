@@ -1,4 +1,4 @@
-"""Whether an xgrammar grammar's language is empty: no rule-free derivation of its root exists.
+r"""Whether an xgrammar grammar's language is empty: no rule-free derivation of its root exists.
 
 `root ::= "a" x`, `x ::= x "b"` lets "a" through the first mask, then refuses every token: its
 language is empty all the same, which no mask at the start shows. The standard test: a rule is
