@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
 import statistics
 import time
@@ -53,20 +52,9 @@ def drive(url: str, model: str, reqs, rate: float | None, seed: int,
     return result.records, summarize([r for r in result.records], [99])["duration"]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes so far (/proc/PID/stat; a gone one counts 0)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])      # utime, stime (fields 14 and 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def drive_counted(stack, model: str, reqs, seed: int) -> tuple[list, float, dict[str, float]]:
     """drive() all at once, streamed, with the CPU seconds each role's processes took meanwhile."""
+    from pagedserve.loadgen.proc_watch import cpu_seconds
     from pagedserve.loadgen.soak import ROLES, role_pids
     pids = {role: role_pids(stack.proc.pid, role) for role in ROLES}
     before = {role: cpu_seconds(p) for role, p in pids.items()}

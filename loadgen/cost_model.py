@@ -107,6 +107,7 @@ class Preset:
     kv_cache_bytes: int          # the KV pool, all GPUs together (the paper's Table 1)
     description: str = ""
     request_overhead_s: float = 0.0   # the API's path beside the steps: none in the roofline presets
+    event_s: float = 0.0              # one token's SSE event to the client: none in the roofline presets
 
     def num_kv_tokens(self) -> int:
         return self.kv_cache_bytes // self.model.kv_bytes_per_token

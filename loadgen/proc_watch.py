@@ -8,12 +8,25 @@ supervisor's own log line ("the X process ...; restarting it") is kept beside it
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.loadgen.soak import ROLES, role_pids
 from pagedserve.loadgen.stack import Stack
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (/proc/PID/stat; a gone one counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])      # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float | None:

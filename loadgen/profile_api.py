@@ -30,16 +30,25 @@ in the window are its events over B and the share of tokens with an event. The s
 that step minus the profile's engine step at B and the window's mean context (its decode grid
 interpolated). The simulator adds the overhead, interpolated at a step's rows and their mean
 context, to every step.
+
+A step's B tokens leave as B SSE events, one after another: the router writes them and the client
+reads them, on a 2-core machine on the core the worker leaves. So the k-th stream of a step sees its
+token k events after the step ended: TTFT and E2E grow with the batch, TPOT hardly. event_s is the
+router's and the client's CPU per event over the served-step runs (per_event_s), and the simulator
+delays each step's tokens by (B + 1) / 2 of it.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import statistics
+import time
+from dataclasses import dataclass
 
 from pagedserve.loadgen.config import ReplayConfig
-from pagedserve.loadgen.metrics import summarize
+from pagedserve.loadgen.proc_watch import cpu_seconds
 from pagedserve.loadgen.replay import run_replay
+from pagedserve.loadgen.soak import role_pids
 from pagedserve.loadgen.stack import Stack
 
 
@@ -56,21 +65,34 @@ def request_ttfts(url: str, model: str, prompt_len: int, count: int, seed: int) 
     return [r.ttft for r in records]
 
 
-def served_step_s(url: str, batch: int, context: int, decode_len: int, step_tokens: int) -> tuple[float, float]:
-    """(the served decode step at `batch` streams of `context`-token prompts, the window's mean
-    context): the module's window, every stream forced to decode_len tokens past all B prefills
-    (at most step_tokens prompt tokens a step)."""
+@dataclass
+class Served:
+    """One point of the served-step grid: the step, the window's mean context, and what its SSE
+    events cost (the router's CPU and this process's, the client's, over the events sent)."""
+    step_s: float
+    context: float
+    cpu_s: float
+    events: int
+
+
+def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_tokens: int) -> Served:
+    """The served decode step at `batch` streams of `context`-token prompts: the module's window,
+    every stream forced to decode_len tokens past all B prefills (at most step_tokens prompt tokens
+    a step)."""
     prefill_steps = -(-batch * context // step_tokens)
-    cfg = ReplayConfig(url=url, trace="random", input_len=context, output_len=decode_len + prefill_steps,
+    cfg = ReplayConfig(url=stack.url, trace="random", input_len=context, output_len=decode_len + prefill_steps,
                        range_ratio=0.0, num_requests=batch, rate=math.inf, metrics_interval=0, plots=False,
                        progress=False)
+    routers = role_pids(stack.proc.pid, "router")
+    cpu = cpu_seconds(routers) + time.process_time()
     records = asyncio.run(run_replay(cfg)).records
+    cpu = cpu_seconds(routers) + time.process_time() - cpu
     if any(not r.ok or not r.token_times for r in records):
         raise RuntimeError(f"the profiled stack failed a request of {batch} streams of {context} tokens")
     step = window_step(records)
     if step is None:
         raise RuntimeError(f"{batch} streams of {context} tokens never all decoded together for a step")
-    return step, context + (prefill_steps + decode_len) / 2
+    return Served(step, context + (prefill_steps + decode_len) / 2, cpu, sum(len(r.token_times) for r in records))
 
 
 def window_step(records) -> float | None:
@@ -92,15 +114,31 @@ def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vo
     stack = Stack(model, *flags, "--max-num-batched-tokens", str(step_tokens))
     try:
         ttfts = request_ttfts(stack.url, model, prompt_len, warmup + requests, seed=1)[warmup:]
-        served = [[served_step_s(stack.url, b, c, decode_len, step_tokens) for c in contexts] for b in batches]
+        served = [[served_step(stack, b, c, decode_len, step_tokens) for c in contexts] for b in batches]
     finally:
         stack.stop()
     ttft = statistics.median(ttfts)
+    points = [p for row in served for p in row]
     # The context axis: the prompt and half the window, as a decode step's mean context is read.
     return {"request_overhead_s": max(0.0, ttft - step_s), "ttft_s": ttft, "engine_step_s": step_s,
             "requests": requests, "prompt_tokens": prompt_len,
             "step_overhead": {"batch": list(batches), "context": [c + decode_len / 2 for c in contexts],
-                              "seconds": [[s - engine_decode_s(b, ctx) for s, ctx in row] for b, row in zip(batches, served)],
-                              "served_step_s": [[s for s, _ in row] for row in served],
-                              "window_context": [[ctx for _, ctx in row] for row in served],
-                              "decode_len": decode_len, "step_tokens": step_tokens}}
+                              "seconds": [[p.step_s - engine_decode_s(b, p.context) for p in row]
+                                          for b, row in zip(batches, served)],
+                              "served_step_s": [[p.step_s for p in row] for row in served],
+                              "window_context": [[p.context for p in row] for row in served],
+                              "decode_len": decode_len, "step_tokens": step_tokens},
+            "event_s": per_event_s(points)}
+
+
+def per_event_s(points: list[Served]) -> float:
+    """CPU seconds an event costs: the slope of the points' CPU over their events (each run also
+    pays for its requests and the replay's own start, whatever its events), where the events span
+    a factor of 2 or more; else their CPU over their events, an upper bound."""
+    xs, ys = [p.events for p in points], [p.cpu_s for p in points]
+    if min(xs) > 0 and max(xs) >= 2 * min(xs):
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if slope > 0:
+            return slope
+    return sum(ys) / sum(xs)

@@ -150,6 +150,12 @@ class ProfiledServer:
         """The API's path, added to every token time of a request (loadgen/profile_api.py)."""
         return self.profile.request_overhead_s
 
+    @property
+    def event_s(self) -> float:
+        """One token's SSE event, router and client (loadgen/profile_api.py): a step's tokens
+        reach their clients (B + 1) / 2 events late on average."""
+        return self.profile.event_s
+
     def cost_model(self) -> ProfiledCost:
         return ProfiledCost(self.profile)
 

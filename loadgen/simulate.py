@@ -160,9 +160,12 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in step.steps]
         now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), moves, bs)
         steps += 1
-        for req, wanted in zip(step.step_requests, step.samples):
-            if wanted:
-                records[rid_of[req.request_id]].token_times.append(now[0])
+        # The step's events leave one after another (router, then client): the k-th of B
+        # streams reads its token k events late, (B + 1) / 2 on average (preset.event_s).
+        sampled = [req for req, wanted in zip(step.step_requests, step.samples) if wanted]
+        seen = now[0] + preset.event_s * (len(set(map(id, sampled))) + 1) / 2
+        for req in sampled:
+            records[rid_of[req.request_id]].token_times.append(seen)
         _record(sched, sched.update(step, _draws(step.samples)), records, rid_of)
     _delay(records.values(), preset.request_overhead_s)
     return SimResult(cfg, preset, plan, [records[r.index] for r in requests], sched.kv_breakdown(),
@@ -201,6 +204,9 @@ def _record(sched: Scheduler, finished: list, records: dict, rid_of: dict) -> No
         rec.prompt_tokens = len(req.prompt_token_ids)
         rec.output_tokens = max((len(s.output_token_ids) for s in req.finished), default=0)
         rec.token_times = sorted(set(rec.token_times))   # n > 1: one time per step, not per sample
+        if rec.token_times:   # as the client reads them: its events' times (preset.event_s late)
+            last = rec.token_times[-1]
+            rec.first_token, rec.end = rec.token_times[0], last if rec.end is None else max(rec.end, last)
         if req.error:
             rec.error, rec.error_detail = "aborted", req.error
         sched.pop_finished(req.request_id)

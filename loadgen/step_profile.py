@@ -32,10 +32,14 @@ Optional:
      "api": {"request_overhead_s": s,       what a request's latency holds beside its steps (the
                                              HTTP path, the hops between the processes): the
                                              simulator adds it to every token time of a request;
-             "step_overhead": {"batch": [B...], "context": [C...], "seconds": [[s for C] for B]}, ...}
+             "step_overhead": {"batch": [B...], "context": [C...], "seconds": [[s for C] for B]},
+             "event_s": s, ...}
          a served step's time beyond the engine's at B rows of mean context C (the router's
          events, the step message, the other processes on the same cores; may be negative),
-         added to every step; both measured through a real stack (loadgen/profile_api.py).
+         added to every step; and (optional, 0 without it) what one token's SSE event costs the
+         router and the client: a step's B events leave one after another, so the simulator
+         delays each of its tokens by (B + 1) / 2 events; all measured through a real stack
+         (loadgen/profile_api.py).
 
 Recompute has no entry of its own: a preempted request's recompute is its prompt prefilled again,
 which the prefill grid prices.
@@ -80,6 +84,7 @@ class StepProfile:
     copy: Grid1
     request_overhead_s: float = 0.0   # "api"; 0 for a profile taken without it
     step_overhead: Grid2 | None = None  # "api", (rows, mean context) -> s; None: no served-step term
+    event_s: float = 0.0              # "api": one SSE event's cost to the router and the client
 
     @property
     def model(self) -> dict:
@@ -141,13 +146,16 @@ def parse(raw: dict) -> StepProfile:
                        _grid1(raw, "copy", "block_size", "seconds_per_block"), *_api(raw))
 
 
-def _api(raw: dict) -> tuple[float, Grid2 | None]:
+def _api(raw: dict) -> tuple[float, Grid2 | None, float]:
     api = raw.get("api")
     if api is None:
-        return 0.0, None
+        return 0.0, None, 0.0
     value = api.get("request_overhead_s") if isinstance(api, dict) else None
     if not isinstance(value, (int, float)) or value < 0:
         raise ProfileError("api.request_overhead_s must be a non-negative number")
+    event = api.get("event_s", 0.0)
+    if not isinstance(event, (int, float)) or isinstance(event, bool) or not 0 <= event < 1:
+        raise ProfileError("api.event_s must be a number of seconds in [0, 1)")
     g = _grid2(api.get("step_overhead"), "api.step_overhead", "batch", "context", least=1, signed=True)
     # An axis of one point: the same overhead all along it (interpolation wants two).
     x, y, z = g.x, g.y, g.z
@@ -155,7 +163,7 @@ def _api(raw: dict) -> tuple[float, Grid2 | None]:
         x, z = (x[0], x[0] + 1), (z[0], z[0])
     if len(y) == 1:
         y, z = (y[0], y[0] + 1), tuple((row[0], row[0]) for row in z)
-    return float(value), Grid2(x, y, z)
+    return float(value), Grid2(x, y, z), float(event)
 
 
 def load(path: str | Path) -> StepProfile:

@@ -114,6 +114,8 @@ def test_the_api_entry_measures_a_real_stack(tiny_profile):
     assert all(s > 0 for row in api["step_overhead"]["served_step_s"] for s in row)
     # Subtracted at the window's own mean context: past the prompt by half the decode and the prefills.
     assert [c for row in api["step_overhead"]["window_context"] for c in row] == [32 + 16.5, 512 + 16.5]
+    # (One batch here: CPU over events, which the requests' own costs inflate; a real grid's slope.)
+    assert api["event_s"] > 0 and loaded_event_s(path) == api["event_s"]
     loaded = step_profile.load(path)
     assert loaded.request_overhead_s == api["request_overhead_s"] and loaded.step_overhead is not None
 
@@ -145,6 +147,10 @@ def test_fidelity_refuses_a_profile_of_another_model(tiny_profile, tmp_path, cap
     assert code == 2 and len(err) == 1 and "/elsewhere/model" in err[0]
 
 
+def loaded_event_s(path) -> float:
+    return step_profile.load(path).event_s
+
+
 def test_the_served_step_is_timed_while_every_stream_decodes():
     """profile_api.window_step by hand: two streams, a step every 10 ms; the second starts 3 steps
     late (the first decoded beside its prefill), one of its tokens sent no event (its text was not
@@ -159,3 +165,11 @@ def test_the_served_step_is_timed_while_every_stream_decodes():
     assert window_step([a, b]) == pytest.approx(0.010, rel=0.05)
     late = RequestRecord(2, 0.0, 8, 2, token_times=[0.2, 0.21], output_tokens=2)   # after a ended
     assert window_step([a, late]) is None
+
+
+def test_an_event_costs_the_slope_of_cpu_over_events():
+    from pagedserve.loadgen.profile_api import Served, per_event_s
+    # 0.1 s of fixed cost per run, 100 us an event: the slope finds the event, the ratio cannot.
+    points = [Served(0.01, 48, 0.1 + n * 1e-4, n) for n in (100, 400, 1600)]
+    assert per_event_s(points) == pytest.approx(1e-4)
+    assert per_event_s(points[:1]) == pytest.approx(0.11 / 100)

@@ -238,8 +238,29 @@ def test_the_request_overhead_delays_every_event_of_a_request(profile_path, tmp_
     assert late["mean_tpot_ms"] == pytest.approx(plain["mean_tpot_ms"])
 
 
+def test_each_step_s_tokens_reach_their_clients_one_event_after_another(profile_path, tmp_path):
+    """api.event_s: the k-th of a step's B streams reads its token k events late; the simulator
+    gives each of them the mean, (B + 1) / 2 events. The plan itself does not move (the clock does
+    not wait for the client), so each token time shifts by (B + 1) / 2 events for its step's B."""
+    eventful = tmp_path / "events.json"
+    step_profile.save(make_profile(api={"request_overhead_s": 0.0, "step_overhead": NO_STEP_OVERHEAD,
+                                        "event_s": 0.5 * MS}), eventful)
+    plain, late = simulate(small(profile_path)), simulate(small(eventful))
+    shifts = {round((b - a) / (0.5 * MS) * 2) for p, q in zip(plain.records, late.records)
+              for a, b in zip(p.token_times, q.token_times)}
+    assert all(len(p.token_times) == len(q.token_times) for p, q in zip(plain.records, late.records))
+    assert min(shifts) >= 2 and len(shifts) > 2           # 2 = (1 + 1): a step of one stream
+    # One request alone: every event one event late, TTFT and E2E by it, TPOT not at all.
+    one, one_late = (summary_of(simulate(small(path, num_requests=1))) for path in (profile_path, eventful))
+    assert one_late["mean_ttft_ms"] == pytest.approx(one["mean_ttft_ms"] + 0.5)
+    assert one_late["mean_e2el_ms"] == pytest.approx(one["mean_e2el_ms"] + 0.5)
+    assert one_late["mean_tpot_ms"] == pytest.approx(one["mean_tpot_ms"])
+
+
 def test_an_api_entry_that_cannot_be_used_is_refused():
     for api in ({"request_overhead_s": -1.0, "step_overhead": API["step_overhead"]},
+                {"request_overhead_s": 1.0, "step_overhead": API["step_overhead"], "event_s": -1e-3},
+                {"request_overhead_s": 1.0, "step_overhead": API["step_overhead"], "event_s": True},
                 {"request_overhead_s": 1.0},
                 {"request_overhead_s": 1.0, "step_overhead": {"batch": [2, 1], "context": [1], "seconds": [[0], [0]]}},
                 {"request_overhead_s": 1.0, "step_overhead": {"batch": [1, 2], "context": [1], "seconds": [[0]]}}):
