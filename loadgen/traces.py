@@ -58,8 +58,10 @@ class Trace:
 
 
 def trace_path(name: str) -> Path:
-    """The shipped file of a trace, found inside the installed package (any working folder)."""
-    return Path(str(resources.files("loadgen") / "traces" / SHIPPED[name][0]))
+    """The shipped file of a trace, found inside the installed package (any working folder). By
+    the package's full name: "loadgen" alone imports only where the working folder is a checkout's
+    root, so the installed `loadgen` command could not find its own traces."""
+    return Path(str(resources.files("pagedserve.loadgen") / "traces" / SHIPPED[name][0]))
 
 
 def load_trace(name: str, *, num_requests: int, seed: int = 0, input_len: int = 1024,

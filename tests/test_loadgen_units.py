@@ -87,12 +87,20 @@ def test_azure_times_are_seconds_from_the_first_request():
     assert code[1].timestamp == pytest.approx(0.052, abs=1e-4)
 
 
-def test_shipped_traces_are_package_data():
+def test_shipped_traces_are_package_data(tmp_path):
     from importlib import resources
-    folder = resources.files("loadgen") / "traces"
+    folder = resources.files("pagedserve.loadgen") / "traces"
     for file, _ in SHIPPED.values():
         assert (folder / file).is_file()
     assert "CC-BY 4.0" in (folder / "README.md").read_text() and "Splitwise" in (folder / "README.md").read_text()
+    # Found from any working folder, as the installed `loadgen` command runs (it found them only
+    # from a checkout's root, where the folder loadgen/ imports as "loadgen").
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "from pagedserve.loadgen.traces import SHIPPED, trace_path\n"
+                          "print(all(trace_path(n).is_file() for n in SHIPPED))"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
 
 
 def test_user_jsonl(tmp_path):
