@@ -24,8 +24,8 @@ the served decode step at (B, C) is timed over the window in which all B decode 
 last stream's first token to the first stream's end. (Their mean TPOT would count the prefills
 too: at B = 256, C = 512 the streams admitted first decode their first 64 tokens beside the
 others' prompt chunks.) Each stream is forced to
-decode_len tokens past the prefill steps of all B prompts, so that the window holds about
-decode_len steps; events carry text, and a token whose text is not out yet sends none, so the steps
+decode_len tokens past the prefill steps of all B prompts (and, measured again, past the spread
+of their first tokens), so that the window holds about decode_len steps; events carry text, and a token whose text is not out yet sends none, so the steps
 in the window are its events over B and the share of tokens with an event. The step overhead is
 that step minus the profile's engine step at B and the window's mean context (its decode grid
 interpolated). The simulator adds the overhead, interpolated at a step's rows and their mean
@@ -78,33 +78,43 @@ class Served:
 def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_tokens: int) -> Served:
     """The served decode step at `batch` streams of `context`-token prompts: the module's window,
     every stream forced to decode_len tokens past all B prefills (at most step_tokens prompt tokens
-    a step)."""
+    a step). The streams also reach the scheduler over a while (the router takes their requests one
+    at a time): a window shorter than decode_len / 2 steps is measured again, with the outputs
+    longer by that spread over a step."""
     prefill_steps = -(-batch * context // step_tokens)
-    cfg = ReplayConfig(url=stack.url, trace="random", input_len=context, output_len=decode_len + prefill_steps,
-                       range_ratio=0.0, num_requests=batch, rate=math.inf, metrics_interval=0, plots=False,
-                       progress=False)
+    output_len = decode_len + prefill_steps
     routers = role_pids(stack.proc.pid, "router")
-    cpu = cpu_seconds(routers) + time.process_time()
-    records = asyncio.run(run_replay(cfg)).records
-    cpu = cpu_seconds(routers) + time.process_time() - cpu
-    if any(not r.ok or not r.token_times for r in records):
-        raise RuntimeError(f"the profiled stack failed a request of {batch} streams of {context} tokens")
-    step = window_step(records)
-    if step is None:
-        raise RuntimeError(f"{batch} streams of {context} tokens never all decoded together for a step")
-    return Served(step, context + (prefill_steps + decode_len) / 2, cpu, sum(len(r.token_times) for r in records))
+    for _ in range(3):
+        cfg = ReplayConfig(url=stack.url, trace="random", input_len=context, output_len=output_len,
+                           range_ratio=0.0, num_requests=batch, rate=math.inf, metrics_interval=0, plots=False,
+                           progress=False)
+        cpu = cpu_seconds(routers) + time.process_time()
+        records = asyncio.run(run_replay(cfg)).records
+        cpu = cpu_seconds(routers) + time.process_time() - cpu
+        if any(not r.ok or not r.token_times for r in records):
+            raise RuntimeError(f"the profiled stack failed a request of {batch} streams of {context} tokens")
+        window = window_step(records, decode_len / 2)
+        if window is not None:
+            step, _ = window
+            return Served(step, context + output_len / 2, cpu,
+                          sum(len(r.token_times) for r in records))
+        spread = max(r.token_times[0] for r in records) - min(r.token_times[0] for r in records)
+        tpot = statistics.median((r.end - r.first_token) / max(1, r.output_tokens - 1) for r in records)
+        output_len = decode_len + prefill_steps + math.ceil(spread / tpot)
+    raise RuntimeError(f"{batch} streams of {context} tokens never decoded together for {decode_len / 2:g} steps")
 
 
-def window_step(records) -> float | None:
-    """The step time while every stream decodes (the module's window), from the streams' event
-    times and output tokens; None when the window holds fewer events than streams."""
+def window_step(records, least_steps: float = 1) -> tuple[float, float] | None:
+    """(the step time, the steps) while every stream decodes (the module's window), from the
+    streams' event times and output tokens; None when the window holds fewer than least_steps."""
     start = max(r.token_times[0] for r in records)     # every stream decodes from here ...
     end = min(r.token_times[-1] for r in records)      # ... until the first one ends
     events = sum(1 for r in records for t in r.token_times if start < t <= end)
-    if events < len(records):
-        return None
     with_text = sum(len(r.token_times) for r in records) / sum(r.output_tokens for r in records)
-    return (end - start) * with_text * len(records) / events
+    steps = events / (with_text * len(records))
+    if steps < least_steps or events == 0:
+        return None
+    return (end - start) / steps, steps
 
 
 def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vocab: int, batches: list[int],

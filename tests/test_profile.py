@@ -161,8 +161,10 @@ def test_the_served_step_is_timed_while_every_stream_decodes():
     b_times = [0.010 * k for k in range(4, 16) if k != 7]     # the token of step 7 had no text
     b = RequestRecord(1, 0.0, 8, 12, token_times=b_times, output_tokens=12)
     # Window (0.04, 0.10]: a's 6 events and b's 5; tokens with an event: 21 of 22.
-    assert window_step([a, b]) == pytest.approx(0.06 * (21 / 22) * 2 / 11)
-    assert window_step([a, b]) == pytest.approx(0.010, rel=0.05)
+    step, steps = window_step([a, b])
+    assert step == pytest.approx(0.06 * (21 / 22) * 2 / 11) and step == pytest.approx(0.010, rel=0.05)
+    assert steps == pytest.approx(11 / (21 / 22) / 2)                    # ~6 steps in (0.04, 0.10]
+    assert window_step([a, b], least_steps=7) is None                    # too short to use
     late = RequestRecord(2, 0.0, 8, 2, token_times=[0.2, 0.21], output_tokens=2)   # after a ended
     assert window_step([a, late]) is None
 
