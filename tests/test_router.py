@@ -285,6 +285,16 @@ def test_beam_search_sends_the_beam_width(client, fake):
     assert add.params["beam_width"] == 3 and add.params["n"] == 2
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_allowed_token_ids_reach_the_scheduler(client, fake, path, body):
+    """Black-box finding: allowed_token_ids was dropped by the router, so the worker never masked."""
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post(path, json={**body, "max_tokens": 3, "temperature": 0, "allowed_token_ids": [10, 11]})
+    assert r.status_code == 200
+    assert fake.messages(protocol.AddRequest)[before].params["allowed_token_ids"] == [10, 11]
+
+
 def test_best_of_returns_the_most_likely(client, fake):
     before = len(fake.messages(protocol.AddRequest))
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "n": 1, "best_of": 3})
@@ -339,6 +349,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "a\ud800b"}, "prompt"),
     ({"prompt": "x", "top_k": 2 ** 64}, "top_k"),
     ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),           # vLLM: empty is refused
+    ({"prompt": "x", "allowed_token_ids": [10, 99999999]}, "allowed_token_ids"),   # past the vocabulary
+    ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": "10"}, "allowed_token_ids"),
+    ({"prompt": "x", "use_beam_search": True, "n": 2, "allowed_token_ids": [10]}, "allowed_token_ids"),
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "foo"}}}}, "guided_json"),
     ({"prompt": "x", "guided_choice": "a"}, "guided_choice"),
@@ -403,6 +418,7 @@ BAD_CHATS = [
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "a\udc00"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [99999999]}, "allowed_token_ids"),
 ]
 
 
