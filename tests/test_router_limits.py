@@ -2,6 +2,7 @@
 the bounded queue and the per-request timeout (each answered in the OpenAI shape)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -55,6 +56,8 @@ def test_every_v1_route_needs_the_key_and_probes_do_not(info, fake):
                 resp = http.request(method, path, headers=headers, json={})
                 assert resp.status_code == 401, (method, path, headers)
                 assert resp.json()["error"]["type"] == "authentication_error"
+                # Black-box finding: the guard's errors were spaced JSON; every other is compact.
+                assert resp.content == json.dumps(resp.json(), separators=(",", ":")).encode(), resp.content
         for path in ("/health", "/ping", "/version", "/metrics", "/ready"):
             assert http.get(path).status_code in (200, 503), path   # public: never 401
         for key in ("sk-one", "sk-two"):
