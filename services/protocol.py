@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pagedserve.services.protocol_codec import (  # noqa: F401  (re-exported: callers import them here)
     Columns, ProtocolError, decode, encode, register)
 
-VERSION = 7   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+VERSION = 8   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
 #             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
 #             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
 #             5: sampling params carry structured_outputs (AddRequest, ExecuteStep.new_params)
@@ -27,6 +27,7 @@ VERSION = 7   # 2: ExecuteStep.seqs and StepResult.results as columns, nested me
 #                Pong.sender names the scheduler's replica; the host tier (PoolInfo.host_cache_blocks),
 #                ResumeStore -> StoreSnapshot
 #             7: async scheduling: SeqWork.token_ids may be [PENDING_TOKEN]; the kvstore's set_tokens op
+#             8: sampling params carry allowed_token_ids (AddRequest, ExecuteStep.new_params)
 
 
 # ---- messages ----------------------------------------------------------------------------------

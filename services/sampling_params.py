@@ -68,6 +68,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100]).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's whitelist: when set (never empty), only these token ids can be sampled.
+    allowed_token_ids: list[int] | None = None
     # k >= 0: each prompt token's logprob given the tokens before it, plus the top-k alternatives
     # (vLLM's prompt_logprobs; what completions' echo with logprobs shows for the prompt).
     prompt_logprobs: int | None = None
@@ -161,14 +163,12 @@ class SamplingParams:
             raise SamplingParamsError("stop", f"stop must be a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise SamplingParamsError("stop", "stop must not contain an empty string")
-        if not isinstance(self.stop_token_ids, list):
-            raise SamplingParamsError(
-                "stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids:
-            _require_int("stop_token_ids", token_id)
-            if not 0 <= token_id <= _INT_MAX:
-                raise SamplingParamsError(
-                    "stop_token_ids", f"stop_token_ids must be non-negative 64-bit integers, got {token_id}")
+        _require_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            _require_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                # vLLM refuses it too: an empty whitelist leaves nothing to sample.
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty")
         for s in self.stop:
             _require_utf8("stop", s)
         # Checked by type, not `in (False, True, "never")`, which would let 0 and 1 pass as booleans.
@@ -188,8 +188,10 @@ class SamplingParams:
             if not 0 <= token_id <= _INT_MAX or not -100.0 <= bias <= 100.0:
                 raise SamplingParamsError("logit_bias", f"logit_bias needs token ids >= 0 and biases in "
                                                         f"[-100, 100], got {token_id}: {bias}")
-        if self.logit_bias and self.use_beam_search:
-            raise SamplingParamsError("logit_bias", "logit_bias does not apply to beam search")
+        # Beams are ranked on raw logprobs, which neither a bias nor a whitelist would touch.
+        for name in ("logit_bias", "allowed_token_ids"):
+            if getattr(self, name) and self.use_beam_search:
+                raise SamplingParamsError(name, f"{name} does not apply to beam search")
         if self.structured_outputs is not None:
             try:
                 guided_spec.check(self.structured_outputs)
@@ -236,6 +238,15 @@ def _require_int(name: str, value: Any) -> None:
     # bool is a subclass of int in Python; a JSON `true` must not pass for n=1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+
+
+def _require_token_ids(name: str, ids: Any) -> None:
+    if not isinstance(ids, list):
+        raise SamplingParamsError(name, f"{name} must be a list of token ids, got {ids!r}")
+    for token_id in ids:
+        _require_int(name, token_id)
+        if not 0 <= token_id <= _INT_MAX:
+            raise SamplingParamsError(name, f"{name} must be non-negative 64-bit integers, got {token_id}")
 
 
 def _require_utf8(name: str, value: str) -> None:

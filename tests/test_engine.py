@@ -313,6 +313,21 @@ def test_logit_bias_steers_every_token(make_engine):
     assert out[0].outputs[0].token_ids == [77] * 4
 
 
+def test_allowed_token_ids_bound_every_token_greedy_and_sampled(make_engine):
+    engine = make_engine(num_device_blocks=32)
+    params = [SamplingParams(max_tokens=5, temperature=t, seed=1, ignore_eos=True, allowed_token_ids=[10, 11])
+              for t in (0.0, 1.5)]
+    for out in engine.generate(["x y", "x y"], params):
+        assert out.outputs[0].token_ids and set(out.outputs[0].token_ids) <= {10, 11}
+
+
+def test_allowed_token_ids_past_the_vocabulary_rejected(make_engine):
+    engine = make_engine(num_device_blocks=32)
+    with pytest.raises(SamplingParamsError) as e:
+        engine.add_request("x", SamplingParams(allowed_token_ids=[10, 10 ** 9]))
+    assert e.value.param == "allowed_token_ids"
+
+
 def test_request_wider_than_max_num_seqs_rejected_not_left_waiting(make_engine):
     engine = make_engine(num_device_blocks=64, max_num_seqs=4)
     for params in (SamplingParams(n=5, max_tokens=2), SamplingParams(n=2, beam_width=5, max_tokens=2)):

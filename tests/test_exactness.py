@@ -51,3 +51,21 @@ def test_greedy_matches_transformers(tiny_model_dirs, arch, block_size):
     expected = hf_greedy(model_dir, ids, MAX_NEW)
     for prompt, out, exp in zip(PROMPTS, outs, expected):
         assert out.outputs[0].token_ids == exp, f"{arch}: mismatch for prompt {prompt!r}"
+
+
+def test_allowed_token_ids_greedy_matches_transformers_prefix_constraint(tiny_model_dirs):
+    """allowed_token_ids is transformers' prefix_allowed_tokens_fn with a fixed list: every other
+    logit to -inf, then argmax."""
+    from transformers import AutoModelForCausalLM
+    model_dir, allowed = tiny_model_dirs["llama"], [10, 11, 57, 300]
+    with Engine(EngineConfig(model=model_dir, block_size=16, num_device_blocks=64)) as engine:
+        ids = [engine.tokenize(p) for p in PROMPTS[:3]]
+        outs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=12, temperature=0.0,
+                                                           allowed_token_ids=allowed))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt_ids, out in zip(ids, outs):
+        x = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                               num_beams=1, prefix_allowed_tokens_fn=lambda batch, sent: allowed)
+        assert out.outputs[0].token_ids == y[0, len(prompt_ids):].tolist()

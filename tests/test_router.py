@@ -223,6 +223,83 @@ def test_chat_logprobs_shape(client):
     assert r.json()["choices"][0]["logprobs"] is None
 
 
+# ---- tool calls ------------------------------------------------------------------------------
+
+# What a tool_choice "required" grammar lets the model write; the fake scheduler plays it back
+# (whatever the grammar), ended by EOS as a stop token.
+TOOL_TEXT = '[{"name":"get_weather","parameters":{"city":"Paris","days":3}},{"name":"now","parameters":{}}]'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def tool_script(info) -> list[int]:
+    return info.tokenizer(TOOL_TEXT, add_special_tokens=False)["input_ids"] + [info.eos_token_ids[0]]
+
+
+@pytest.fixture(scope="module")
+def tool_client(info, tool_script):
+    fake = FakeScheduler(tool_script)
+    fake.start()
+    cfg = Config(model=info.path, scheduler_endpoint=fake.endpoint, router_id="router-tools")
+    with RouterServer(create_app(cfg, info, MemoryState())) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        yield c
+    fake.stop()
+
+
+def _cut_inside_second_call(info, tool_script) -> int:
+    """A max_tokens that ends the text after the second call's name, inside its arguments."""
+    return next(k for k in range(1, len(tool_script))
+                if info.tokenizer.decode(tool_script[:k]).endswith('"now","parameters":{'))
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str]:
+    """A stream's tool_call deltas added up as OpenAI clients do (by index) -> (calls, finish reason).
+    Each chunk holds at most one entry per index (black-box finding: the header and the first
+    arguments of a named call came as two entries of index 0)."""
+    calls, finish = {}, None
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            deltas = ch["delta"].get("tool_calls") or []
+            assert len({d["index"] for d in deltas}) == len(deltas), deltas
+            for d in deltas:
+                call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+                if "id" in d:
+                    call["name"] = d["function"]["name"]
+                call["arguments"] += d["function"].get("arguments", "")
+            finish = ch["finish_reason"] or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut-by-length"])
+def test_tool_calls_streamed_and_whole_agree(tool_client, info, tool_script, tool_choice, cut):
+    """Black-box finding: a required tool call cut by max_tokens came back whole as content (the raw
+    unfinished JSON) but streamed as tool_call deltas. Both are tool_calls now, the cut call's
+    arguments as far as they got (vLLM's named tool calls do that), and finish_reason "length"."""
+    eos = info.eos_token_ids[0]
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "tool_choice": tool_choice,
+            "temperature": 0, "stop_token_ids": [eos],
+            "max_tokens": _cut_inside_second_call(info, tool_script) if cut else 200}
+    r = tool_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in choice["message"]["tool_calls"]]
+    assert choice["message"]["content"] is None
+    streamed, finish = _streamed_calls(stream_events(tool_client, "/v1/chat/completions", body)[0])
+    assert (streamed, finish) == (whole, choice["finish_reason"])
+    assert finish == ("length" if cut else "tool_calls")
+    text = TOOL_TEXT[:TOOL_TEXT.index('"now","parameters":{') + 20] if cut else TOOL_TEXT
+    if tool_choice == "required":
+        assert whole[0] == {"name": "get_weather", "arguments": '{"city":"Paris","days":3}'}
+        assert whole[1] == {"name": "now", "arguments": "{" if cut else "{}"}
+    else:
+        assert whole == [{"name": "get_weather", "arguments": text}]
+
+
 # ---- stop strings ----------------------------------------------------------------------------
 
 def _split_stop(info, script) -> tuple[str, str]:
@@ -285,6 +362,16 @@ def test_beam_search_sends_the_beam_width(client, fake):
     assert add.params["beam_width"] == 3 and add.params["n"] == 2
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_allowed_token_ids_reach_the_scheduler(client, fake, path, body):
+    """Black-box finding: allowed_token_ids was dropped by the router, so the worker never masked."""
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post(path, json={**body, "max_tokens": 3, "temperature": 0, "allowed_token_ids": [10, 11]})
+    assert r.status_code == 200
+    assert fake.messages(protocol.AddRequest)[before].params["allowed_token_ids"] == [10, 11]
+
+
 def test_best_of_returns_the_most_likely(client, fake):
     before = len(fake.messages(protocol.AddRequest))
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "n": 1, "best_of": 3})
@@ -339,6 +426,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "a\ud800b"}, "prompt"),
     ({"prompt": "x", "top_k": 2 ** 64}, "top_k"),
     ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),           # vLLM: empty is refused
+    ({"prompt": "x", "allowed_token_ids": [10, 99999999]}, "allowed_token_ids"),   # past the vocabulary
+    ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": "10"}, "allowed_token_ids"),
+    ({"prompt": "x", "use_beam_search": True, "n": 2, "allowed_token_ids": [10]}, "allowed_token_ids"),
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "foo"}}}}, "guided_json"),
     ({"prompt": "x", "guided_choice": "a"}, "guided_choice"),
@@ -403,6 +495,7 @@ BAD_CHATS = [
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "a\udc00"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [99999999]}, "allowed_token_ids"),
 ]
 
 

@@ -2,6 +2,7 @@
 the bounded queue and the per-request timeout (each answered in the OpenAI shape)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -55,6 +56,8 @@ def test_every_v1_route_needs_the_key_and_probes_do_not(info, fake):
                 resp = http.request(method, path, headers=headers, json={})
                 assert resp.status_code == 401, (method, path, headers)
                 assert resp.json()["error"]["type"] == "authentication_error"
+                # Black-box finding: the guard's errors were spaced JSON; every other is compact.
+                assert resp.content == json.dumps(resp.json(), separators=(",", ":")).encode(), resp.content
         for path in ("/health", "/ping", "/version", "/metrics", "/ready"):
             assert http.get(path).status_code in (200, 503), path   # public: never 401
         for key in ("sk-one", "sk-two"):
@@ -160,13 +163,28 @@ def test_queued_tokens_limit(info, fake):
         assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
 
 
+def _sample(http, name: str, **labels) -> float:
+    """One sample of the router's /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
 def test_request_timeout_aborts_and_answers_504(info, fake):
     fake.token_delay_s = 0.2               # slow tokens: 50 of them take 10 s
     with _router(info, fake, request_timeout_s=0.8) as r, httpx.Client(base_url=r.url, timeout=10) as http:
+        aborts = _sample(http, "vllm:request_success_total", finished_reason="abort")
         t0 = time.monotonic()
         resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
         assert resp.status_code == 504 and resp.json()["error"]["type"] == "timeout_error"
         assert time.monotonic() - t0 < 3
+        # Black-box finding: counted as a 504 error but not as vLLM's aborted request, which a
+        # client that disconnects is (the engine aborts both alike).
+        assert _sample(http, "vllm:request_success_total", finished_reason="abort") == aborts + 1
+        assert _sample(http, "pagedserve:request_errors_total", status="504") >= 1
         added = fake.messages(protocol.AddRequest)[-1]
         aborted = fake.wait_for(protocol.AbortRequest)
         assert aborted[-1].request_id == added.request_id

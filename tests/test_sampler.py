@@ -333,3 +333,28 @@ def test_logit_bias_moves_greedy_and_leaves_returned_logprobs_raw():
     assert out.token_ids[2] == best[2]
     raw = compute_logprobs(logits)
     assert out.logprobs[0] == pytest.approx(raw[0, worst[0]].item(), abs=1e-5)
+
+
+def test_allowed_token_ids_mask_greedy_and_random_rows_and_leave_returned_logprobs_raw():
+    logits = random_logits(4)
+    allowed = [3, 17, V - 1]
+    rows = [row(temperature=0, allowed_token_ids=allowed), row(temperature=1.0, seed=5, allowed_token_ids=allowed),
+            row(temperature=0), row(temperature=0, allowed_token_ids=[V + 5, 3])]   # past the vocabulary: dropped
+    out = sample(logits, rows, eos_token_id=None, generator=gen())
+    best_allowed = max(allowed, key=lambda t: logits[0, t].item())
+    assert out.token_ids[0] == best_allowed
+    assert out.token_ids[2] == logits[2].argmax().item()     # a row without a whitelist is untouched
+    assert out.token_ids[3] == 3
+    raw = compute_logprobs(logits)
+    assert out.logprobs[0] == pytest.approx(raw[0, best_allowed].item(), abs=1e-5)
+    for seed in range(200):   # random rows draw only whitelisted tokens
+        draw = sample(logits[1:2], [row(temperature=2.0, seed=seed, allowed_token_ids=allowed)], eos_token_id=None)
+        assert draw.token_ids[0] in allowed
+
+
+def test_allowed_token_ids_come_before_min_tokens_and_logit_bias():
+    """vLLM's order: the whitelist first, so a bias on a token outside it cannot bring it back."""
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])
+    out = sample(logits, [row(temperature=0, min_tokens=1, allowed_token_ids=[1, 2], logit_bias={3: 100.0})],
+                 eos_token_id=1)
+    assert out.token_ids == [2]

@@ -135,7 +135,8 @@ def test_round_trip_through_dict_and_msgpack():
                        min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
                        seed=1234, logprobs=5, stop=["END", "\n"], stop_token_ids=[2, 9],
                        ignore_eos=True, beam_width=1, length_penalty=0.8, early_stopping="never",
-                       cache_salt="salt", skip_special_tokens=False, logit_bias={7: -100.0, 3: 2.5}).validate()
+                       cache_salt="salt", skip_special_tokens=False, logit_bias={7: -100.0, 3: 2.5},
+                       allowed_token_ids=[4, 8]).validate()
     wire = p.to_dict()
     assert set(wire) == {f.name for f in dataclasses.fields(SamplingParams)}
     assert all(_wire_types_only(v) for v in wire.values())
@@ -176,6 +177,19 @@ def test_bad_logit_bias_rejected(bias):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(logit_bias=bias).validate()
     assert e.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("ids", [[], [-1], [2 ** 64], ["5"], [True], (5,), 5])
+def test_bad_allowed_token_ids_rejected(ids):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(allowed_token_ids=ids).validate()
+    assert e.value.param == "allowed_token_ids"
+
+
+def test_allowed_token_ids_with_beam_search_rejected():
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(beam_width=2, allowed_token_ids=[5]).validate()
+    assert e.value.param == "allowed_token_ids"
 
 
 def test_logit_bias_with_beam_search_rejected():

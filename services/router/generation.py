@@ -80,6 +80,7 @@ class Generation:
         self.last_token_at: float | None = None
         self.error: APIError | None = None
         self.aborted = False
+        self.timed_out = False   # ended by --request-timeout: an engine abort, though answered with a 504
         self.closed = False
         self.num_cached_tokens = 0
         self.finals: dict[int, protocol.RequestUpdate] = {}   # per prompt: the engine's final update
@@ -134,6 +135,7 @@ class Generation:
     def _timed_out(self) -> None:
         if len(self.done) < len(self.prompts):
             log.info("%s ran past --request-timeout; aborting", self.request_id)
+            self.timed_out = True
             # Handled as any failure, in the request's own task: it aborts what still runs (the
             # scheduler frees the blocks) and ends the response with this error.
             self.queue.put_nowait(Failure(504, f"the request took longer than --request-timeout "
@@ -261,10 +263,17 @@ class Generation:
             if p in self.finals:
                 return
             self.finals[p] = update          # before close: _record_finished takes it
-            if self.closed and self.error is None:
+            if self.closed and self.counts_as_finished:
                 most = max((len(c.token_ids) for c in self.choices[p]), default=0)
                 self.ctx.metrics.phases(self.client.engine, update, most)
         return arrived
+
+    @property
+    def counts_as_finished(self) -> bool:
+        """Whether vLLM's per-request series count it: a request that ran to its end, or one the
+        engine aborted (a client that left, --request-timeout: finished_reason "abort", as vLLM
+        counts its aborted requests); not one refused or failed."""
+        return self.error is None or self.timed_out
 
     def _fail(self, error: APIError) -> APIError:
         self.abort()
@@ -311,7 +320,7 @@ class Generation:
         else:
             status = "finished"
         generated = sum(len(c.token_ids) for c in self.all_choices)
-        if error is None:
+        if self.counts_as_finished:
             self._record_finished()
         try:
             ctx.state.update_request_status(self.record_id, status, finish_reasons=reasons,

@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import math
+
+from fastapi.responses import JSONResponse
 
 from pagedserve.services.router.errors import error_body
 
@@ -167,7 +168,8 @@ async def _drain(scope, receive) -> bool:
 
 
 async def _answer(send, status: int, message: str, headers: dict | None = None, close: bool = False) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+    # The app's own encoder (compact JSON), so that the guard's errors read like every other one.
+    body = JSONResponse(error_body(status, message)).body
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     if close:

@@ -58,6 +58,7 @@ class _SamplingFields(_Strict):
     seed: int | None = None
     stop: str | FastList[str] | None = None
     stop_token_ids: FastList[int] | None = None
+    allowed_token_ids: FastList[int] | None = None   # vLLM's: only these ids can be sampled
     ignore_eos: bool = False
     min_tokens: int = 0
     use_beam_search: bool = False
@@ -386,10 +387,10 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         raise bad_request(f"at most {max_stop_strings} stop strings, got {len(stop)}", "stop")
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")
-    outside = [t for t in req.stop_token_ids or () if not 0 <= t < vocab_size]
-    if outside:
-        raise bad_request(f"stop_token_ids must be token ids below {vocab_size}, got {outside[0]}",
-                          "stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        outside = [t for t in getattr(req, name) or () if not 0 <= t < vocab_size]
+        if outside:
+            raise bad_request(f"{name} must be token ids below {vocab_size}, got {outside[0]}", name)
     fields = dict(
         n=best_of if not req.use_beam_search else req.n,
         max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -399,6 +400,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         frequency_penalty=_default(req.frequency_penalty, 0.0),
         repetition_penalty=_default(req.repetition_penalty, 1.0),
         seed=req.seed, logprobs=logprobs, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+        allowed_token_ids=req.allowed_token_ids,
         ignore_eos=req.ignore_eos, beam_width=best_of if req.use_beam_search else 1,
         length_penalty=req.length_penalty, early_stopping=req.early_stopping,
         cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,

@@ -7,11 +7,10 @@ model-specific parser), and the choice comes back in OpenAI's `tool_calls` shape
 tool_choice "auto" (the default when tools are given) would need a parser for the model's own
 tool-call syntax: a 400, as is "none"'s opposite without tools. A stream sends OpenAI's tool_call
 deltas (ToolCallStream): each call's id and name once its name is complete, then its arguments as
-they grow.
+they grow. The whole answer's tool_calls are the same calls (ToolPlan.calls), cut ones included.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 
@@ -25,19 +24,26 @@ class ToolPlan:
     named: str | None        # the named function, or None for "required"
     schema: dict             # what the output must satisfy
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The choice's text -> OpenAI tool_calls, or None when it does not parse (cut by length)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if self.named is not None:
-            pairs = [(self.named, text)]    # the arguments as the model wrote them
-        else:
-            pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False, separators=(",", ":")))
-                     for c in value]
-        return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-                 "function": {"name": name, "arguments": args}} for name, args in pairs]
+    def parts(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments so far) of each call the text has named so far: the whole text when cut
+        short (by max_tokens, a stop string) reads as far as it got."""
+        return [(self.named, text)] if self.named is not None else _required_calls(text)
+
+    def calls(self, text: str) -> list[dict]:
+        """A finished choice's text -> OpenAI tool_calls: what its stream sends (ToolCallStream),
+        so that streamed and whole answers agree. A call cut by max_tokens keeps its unfinished
+        arguments, as vLLM's named tool calls do; the finish reason says it was cut."""
+        return [_call_header(name, args) for name, args in self.parts(text)]
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a choice that ended by itself after calling; a cut one keeps its reason."""
+    return "tool_calls" if reason == "stop" and called else reason
+
+
+def _call_header(name: str, arguments: str) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def tool_plan(req) -> ToolPlan | None:
@@ -92,8 +98,8 @@ class ToolCallStream:
     The grammar fixes the text's shape, compact JSON: a named function's output is its arguments
     object; "required" gives [{"name":"N","parameters":ARGS},...]. Each feed re-reads the text so
     far (short: a tool call's arguments) and sends what is new: a call's header
-    {index, id, type, function: {name, arguments: ""}} once its name is complete, then pieces of
-    its arguments."""
+    {index, id, type, function: {name, arguments}} once its name is complete, then pieces of its
+    arguments."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -101,17 +107,21 @@ class ToolCallStream:
         self.sent: list[int] = []      # per call started: argument characters sent
 
     def feed(self, new_text: str) -> list[dict]:
+        """The deltas the text so far adds: one entry per call index (a new call's header carries
+        its first arguments, as vLLM sends them; OpenAI clients merge entries by index)."""
         self.text += new_text
-        calls = [(self.plan.named, self.text)] if self.plan.named is not None else _required_calls(self.text)
         deltas = []
-        for i, (name, args) in enumerate(calls):
+        for i, (name, args) in enumerate(self.plan.parts(self.text)):
             if i == len(self.sent):
                 self.sent.append(0)
-                deltas.append({"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-                               "function": {"name": name, "arguments": ""}})
-            if len(args) > self.sent[i]:
-                deltas.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
-                self.sent[i] = len(args)
+                delta = {"index": i, **_call_header(name, "")}
+            elif len(args) > self.sent[i]:
+                delta = {"index": i, "function": {"arguments": ""}}
+            else:
+                continue
+            delta["function"]["arguments"] = args[self.sent[i]:]
+            self.sent[i] = len(args)
+            deltas.append(delta)
         return deltas
 
 

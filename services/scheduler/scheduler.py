@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, KeysView
 
 from pagedserve.services import config_fields as cf
-from pagedserve.services.sampling_params import SamplingParams
+from pagedserve.services.sampling_params import SamplingParams, SamplingParamsError
 from pagedserve.services.scheduler.beam_search import BeamSearch
 from pagedserve.services.scheduler.kv_usage import KVUsageMeter
 from pagedserve.services.scheduler.request import FINISHED, Request, RequestStatus, Sequence
@@ -125,6 +125,10 @@ class Scheduler:
         if vocab and not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab):
             # The router checks this too; a peer that did not would fail the worker's whole step.
             raise SchedulerError(f"prompt token ids must be in [0, {vocab})")
+        if vocab and params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            # As vLLM: a whitelist id past the vocabulary is refused, never silently dropped.
+            raise SamplingParamsError("allowed_token_ids", f"allowed_token_ids must be token ids below {vocab}, "
+                                                           f"got {max(params.allowed_token_ids)}")
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise SchedulerError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context is "
                                  f"{self.config.max_model_len} including at least one generated token")

@@ -29,6 +29,21 @@ def apply_token_bitmask(logits: torch.Tensor, chosen: list[int], bitmask: torch.
     put_rows(logits, chosen, sub)
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Set to -inf (in place) every logit outside a row's allowed_token_ids (vLLM's whitelist)."""
+    chosen = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not chosen:
+        return
+    vocab = logits.shape[1]
+    # The scheduler refuses ids past the vocabulary; dropped here too, so that a peer that let one
+    # through cannot fail the whole step with an index error.
+    allowed = _presence_mask([[t for t in rows[i].params.allowed_token_ids if t < vocab] for i in chosen],
+                             vocab, logits.device)  # [A, V]
+    sub = take_rows(logits, chosen)  # [A, V]
+    sub.masked_fill_(~allowed, float("-inf"))
+    put_rows(logits, chosen, sub)
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_ids: tuple[int, ...]) -> None:
     """Forbid EOS and the stop tokens while a row has fewer than min_tokens outputs (in place)."""
     row_idx: list[int] = []
@@ -193,8 +208,9 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-    toks = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=device)
-    return rows, toks
+    # Built on the host and moved with to_device: a whitelist, unlike the penalties, needs no
+    # history, so its steps may be planned ahead and must not wait for the device here.
+    rows = [i for i, ts in enumerate(token_lists) for _ in ts]
+    toks = [t for ts in token_lists for t in ts]
+    return index_tensor(rows, device), index_tensor(toks, device)
 

@@ -2,7 +2,9 @@
 
 This module owns the order of logit processing (vLLM's; the arithmetic of each processor is
 services/worker/logits_processors.py's):
-    grammar bitmask (structured outputs: tokens the grammar forbids to -inf) -> min_tokens (mask EOS and stop_token_ids) -> logit_bias -> repetition penalty (prompt + output tokens)
+    grammar bitmask (structured outputs: tokens the grammar forbids to -inf)
+    -> allowed_token_ids (every token outside the whitelist to -inf)
+    -> min_tokens (mask EOS and stop_token_ids) -> logit_bias -> repetition penalty (prompt + output tokens)
     -> frequency and presence penalties (output tokens) -> greedy rows: argmax
     -> other rows: temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
 Returned logprobs are those of the raw model distribution (log_softmax of the logits before any
@@ -28,9 +30,10 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.services.worker.logits_processors import (apply_frequency_presence_penalties, apply_logit_bias,
-                                                          apply_min_p, apply_min_tokens, apply_repetition_penalty,
-                                                          apply_token_bitmask, apply_top_k_top_p)
+from pagedserve.services.worker.logits_processors import (apply_allowed_token_ids, apply_frequency_presence_penalties,
+                                                          apply_logit_bias, apply_min_p, apply_min_tokens,
+                                                          apply_repetition_penalty, apply_token_bitmask,
+                                                          apply_top_k_top_p)
 from pagedserve.services.worker.logprobs import Draw, SamplerOutput, compute_logprobs, draw_of, top_logprobs
 from pagedserve.services.worker.sampling_noise import derive_row_seed, exponential_noise
 from pagedserve.services.worker.sampling_rows import SamplingRow, index_tensor, param_column, take_rows, to_device
@@ -72,6 +75,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id
         eos_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     if allowed is not None:
         apply_token_bitmask(processed, *allowed)
+    apply_allowed_token_ids(processed, rows)
     apply_min_tokens(processed, rows, eos_ids)
     apply_logit_bias(processed, rows)
     apply_repetition_penalty(processed, rows)
