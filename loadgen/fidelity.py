@@ -7,7 +7,11 @@ another's prefix cache) is replayed with `loadgen replay`'s own client, then `lo
 runs the very plan that was sent (the same lengths, arrivals and shared prefixes) priced by a step
 profile taken on this machine (`loadgen profile`), with the stack's pool, block size and batch
 limits. The report gives each figure measured and simulated and the error, simulated / measured - 1,
-against issue 31's bounds: throughput and mean TPOT within 10 %, mean TTFT within 15 %.
+against issue 31's bounds: throughput and mean TPOT within 10 %, mean TTFT within 15 %. Beside them,
+no bound, the engine's steps and their mean time: the stack's from its --step-log (each step from
+the end of the one before to the end of its update, services/scheduler/step_log.py), the
+simulator's as it planned and priced them. Fewer, longer measured steps at the same tokens say the
+profile prices a served step too cheap; equal steps with a latency off say the client's side is.
 """
 from __future__ import annotations
 
@@ -26,12 +30,16 @@ from pagedserve.loadgen.report import jsonable
 from pagedserve.loadgen.simulate import simulate, summary_of
 from pagedserve.loadgen.stack import Stack
 from pagedserve.loadgen.step_profile import ProfileError
+from pagedserve.services.scheduler import step_log
 from pagedserve.services.tiny_model import resolve_model
 
 # (summary key, name in the table, the issue's bound on |error|; None: reported, no bound)
 FIGURES = (("output_throughput", "output tok/s", 0.10), ("mean_ttft_ms", "TTFT mean ms", 0.15),
            ("p99_ttft_ms", "TTFT p99 ms", None), ("mean_tpot_ms", "TPOT mean ms", 0.10),
-           ("mean_e2el_ms", "E2E mean ms", None))
+           ("mean_e2el_ms", "E2E mean ms", None),
+           # Where a miss comes from: the engine's steps, as the stack logged them (--step-log) and
+           # as the simulator planned and priced them.
+           ("num_steps", "steps", None), ("mean_step_ms", "step mean ms", None))
 
 
 def sim_config(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float) -> SimulateConfig:
@@ -65,7 +73,10 @@ def stack_flags(cfg: FidelityConfig, server: ProfiledServer) -> list[str]:
 
 def measure(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float, out: Path) -> tuple[dict, dict]:
     """(measured summary, simulated summary) of one trace at one rate."""
-    stack = Stack(cfg.model, *stack_flags(cfg, server))
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "steps.jsonl"
+    log_path.unlink(missing_ok=True)
+    stack = Stack(cfg.model, *stack_flags(cfg, server), "--step-log", str(log_path))
     try:
         replay_cfg = ReplayConfig(url=stack.url, trace=trace, rate=rate, num_requests=cfg.num_requests,
                                   seed=cfg.seed, kv_block_size=cfg.block_size, fit="scale", metrics_interval=0,
@@ -74,8 +85,12 @@ def measure(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float
     finally:
         stack.stop()
     measured = summarize(run.records, replay_cfg.percentiles)
-    sim = simulate(sim_config(cfg, server, trace, rate), plan=run.plan)
-    return measured, summary_of(sim)
+    steps = step_log.read(str(log_path))
+    measured["num_steps"] = len(steps)
+    measured["mean_step_ms"] = 1e3 * sum(r[0] for r in steps) / len(steps) if steps else None
+    simulated = summary_of(simulate(sim_config(cfg, server, trace, rate), plan=run.plan))
+    simulated["mean_step_ms"] = 1e3 * simulated["busy_seconds"] / simulated["num_steps"] if simulated["num_steps"] else None
+    return measured, simulated
 
 
 def errors(measured: dict, simulated: dict) -> dict:

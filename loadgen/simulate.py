@@ -47,6 +47,7 @@ class SimResult:
     num_steps: int
     wall_s: float
     notes: list[str] = field(default_factory=list)
+    busy_s: float = 0.0         # the steps' priced seconds summed (virtual time the engine ran)
 
 
 def preset_of(cfg: SimulateConfig) -> Preset | ProfiledServer:
@@ -122,7 +123,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
     records = {r.index: RequestRecord(r.index, r.arrival, r.input_len, r.output_len, r.prefix_blocks, send=r.arrival)
                for r in requests}
     rid_of = {}
-    nxt, steps = 0, 0
+    nxt, steps, busy = 0, 0, 0.0
     ahead = None            # async scheduling: (the step planned while the last one ran, its block moves)
     while nxt < len(requests) or sched.has_unfinished():
         while nxt < len(requests) and requests[nxt].arrival <= now[0]:
@@ -158,7 +159,9 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                 now[0] = max(now[0], requests[nxt].arrival)
             continue
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in step.steps]
-        now[0] += cost.step_time(seqs, sum(1 for w in step.samples if w), moves, bs)
+        dt = cost.step_time(seqs, sum(1 for w in step.samples if w), moves, bs)
+        now[0] += dt
+        busy += dt
         steps += 1
         # The step's events leave one after another (router, then client): the k-th of B
         # streams reads its token k events late, (B + 1) / 2 on average (preset.event_s).
@@ -169,7 +172,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
         _record(sched, sched.update(step, _draws(step.samples)), records, rid_of)
     _delay(records.values(), preset.request_overhead_s)
     return SimResult(cfg, preset, plan, [records[r.index] for r in requests], sched.kv_breakdown(),
-                     dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes))
+                     dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes), busy)
 
 
 def _block_moves(ops: list[list], results: list) -> BlockMoves:
@@ -240,6 +243,7 @@ def summary_of(result: SimResult) -> dict:
                       "kv_token_share": sat["cache"]["token_states"],
                       "kv_breakdown": {"cache": sat["cache"], "allocated": sat["allocated"]}},
         "num_steps": result.num_steps,
+        "busy_seconds": result.busy_s,
         "simulated_seconds": kb["seconds"],
         "wall_seconds": result.wall_s,
         "num_preemptions": result.scheduler_stats.get("preemptions", 0),

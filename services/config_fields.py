@@ -117,6 +117,21 @@ def async_scheduling():
                      "drawn (vLLM's --async-scheduling); --no-async-scheduling waits for every step's tokens")
 
 
+def _writable_file(v: str) -> bool | str:
+    folder = os.path.dirname(os.path.abspath(v))
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    if os.path.isdir(v) or not os.access(v if os.path.exists(v) else folder, os.W_OK):
+        return "must be a file this process can write"
+    return True
+
+
+def step_log():
+    return opt(None, "append one JSON line per engine step to this file: its seconds, the worker's, and "
+                     "what it computed (services/scheduler/step_log.py; loadgen profile fits the served step "
+                     "from it)", check=_writable_file, metavar="FILE")
+
+
 def max_num_seqs(default: int = 256):
     return opt(default, "sequences in one step at the most", check=at_least(1))
 

@@ -57,6 +57,7 @@ class Config(RouterOptions, EngineOptions, ProcessConfig):
     ready_timeout_s: float = opt(300.0, "seconds to wait for every process to be ready", flag="--ready-timeout",
                                  check=positive)
     log_level: str = cf.log_level()
+    step_log: str | None = cf.step_log()
 
     def __post_init__(self):
         self.log_level = self.log_level.upper()
@@ -143,7 +144,8 @@ def process_commands(cfg: Config, model: str, run_dir: str) -> list[tuple[str, l
                                      "--heartbeat-endpoint", sched_beat, "--worker-heartbeat-endpoint", worker_beat,
                                      "--shutdown-timeout", str(cfg.shutdown_timeout_s), *hang]
                   + (["--redis-url", cfg.redis_url] if cfg.redis_url else [])
-                  + ([] if cfg.async_scheduling else ["--no-async-scheduling"])))
+                  + ([] if cfg.async_scheduling else ["--no-async-scheduling"])
+                  + (["--step-log", os.path.abspath(cfg.step_log)] if cfg.step_log else [])))
     context = ["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []
     procs[-1][1].extend(context)
     router_flags, _ = passed_down(cfg)

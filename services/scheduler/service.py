@@ -39,6 +39,7 @@ from pagedserve.services.scheduler.mirror_sync import MirrorSync
 from pagedserve.services.scheduler.mirror_sync import moves_bytes as _moves_bytes  # noqa: F401 (tests' old name)
 from pagedserve.services.scheduler.peers import Peers
 from pagedserve.services.scheduler.stats_reply import engine_stats
+from pagedserve.services.scheduler.step_log import StepLog
 from pagedserve.services.scheduler.step_pipeline import StepPipeline
 from pagedserve.services.scheduler.stepper import RouterView, WorkerView
 
@@ -76,6 +77,7 @@ class Config(ProcessConfig):
     hang_timeout_s: float = cf.hang_timeout("seconds without a good heartbeat after which the worker counts as stuck")
     shutdown_timeout_s: float = cf.shutdown_timeout(0.0)
     curve_keys: str = cf.curve_keys("required to listen on a non-loopback address")
+    step_log: str | None = cf.step_log()
 
     def cross_check(self) -> str | None:
         return cf.batch_limits_check(self.max_num_seqs, self.max_num_batched_tokens)
@@ -104,7 +106,8 @@ class SchedulerService:
         self.owner: dict[str, bytes] = {}           # request id -> router identity
         self.workers_view, self.routers_view = WorkerView(), RouterView()
         self.steps = StepPipeline(self.core, self.kvsync, self.worker, self.workers_view,
-                                  config.async_scheduling, self.publish)
+                                  config.async_scheduling, self.publish,
+                                  StepLog(config.step_log) if config.step_log else None)
         self.exporters = ExporterElection()   # which router exports this engine's series
         self.ready = True
         self.last_beat = time.monotonic()
@@ -310,6 +313,8 @@ def run(config: Config) -> int:
     time.sleep(0.2)
     svc.guard.close()
     svc.ctx.destroy(linger=1000)
+    if svc.steps.step_log is not None:
+        svc.steps.step_log.close()
     return 0
 
 

@@ -16,6 +16,7 @@ from pagedserve.services import protocol
 from pagedserve.services.rpc import RpcClient
 from pagedserve.services.scheduler.mirror_sync import MirrorSync
 from pagedserve.services.scheduler.scheduler import ScheduledStep, Scheduler
+from pagedserve.services.scheduler.step_log import StepLog
 from pagedserve.services.scheduler.step_stats import StepStats
 from pagedserve.services.scheduler.stepper import WorkerView
 
@@ -24,7 +25,7 @@ class StepPipeline:
     """publish: sends the routers what take_unpublished() returns (called while the worker computes)."""
 
     def __init__(self, core: Scheduler, kvsync: MirrorSync, worker: RpcClient, workers_view: WorkerView,
-                 async_scheduling: bool, publish: Callable[[], None]):
+                 async_scheduling: bool, publish: Callable[[], None], step_log: StepLog | None = None):
         self.core, self.kvsync, self.worker, self.workers_view = core, kvsync, worker, workers_view
         self.async_scheduling = async_scheduling
         self.publish = publish
@@ -33,6 +34,7 @@ class StepPipeline:
         self.last_step_end = 0.0
         self.unpublished = None   # (requests, finished) of the last step, not yet sent to routers
         self.timing = StepStats()
+        self.step_log = step_log          # --step-log: a line per step (step_log.py)
         self.grammar_cache_bytes = 0     # the worker's, as the last step's reply said (a metric)
 
     def take_unpublished(self):
@@ -83,7 +85,8 @@ class StepPipeline:
         # Sent once the next step is on its way to the worker (or now, if there is none): the
         # encoding overlaps the worker's compute instead of delaying its next step.
         self.unpublished = (cur.scheduled.requests, finished)
-        if self.in_flight is None and not self.core.has_unfinished():
+        idle = self.in_flight is None and not self.core.has_unfinished()
+        if idle:
             self.publish()
             self.kvsync.sync()     # frees of the last step, so the kvstore's stats are current
         # Phases of overlapping steps: each counts from where the one before it ended.
@@ -91,6 +94,10 @@ class StepPipeline:
         began, self.last_step_end = max(cur.t_plan, self.last_step_end), end
         self.timing.add(cur.scheduled.num_tokens, end - began, cur.t_ops - cur.t_plan, cur.t_sent - cur.t_ops,
                         t_reply - max(cur.t_sent, began), worker_s)
+        if self.step_log is not None:
+            self.step_log.add(cur.scheduled, end - began, worker_s)
+            if idle:
+                self.step_log.flush()
 
     def _dispatch(self, scheduled: ScheduledStep, t_plan: float) -> "Dispatched":
         """Send a planned step's block ops to the kvstore and its work to the worker. A step whose
