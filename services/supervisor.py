@@ -52,11 +52,22 @@ def _die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)   # the child gets SIGTERM when the launcher dies, however
 
 
+def _starting(cpus: frozenset[int] | None):
+    """What a child runs before its program: it dies with the launcher, and is bound to its cores
+    (its threads, torch's included, inherit them)."""
+    def run() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return run
+
+
 @dataclass(eq=False)   # children are compared by identity
 class Child:
     name: str                     # kvstore, worker0.., scheduler, router0..
     argv: list[str]
     threads: int = 1
+    cpus: frozenset[int] | None = None   # the cores it is bound to (launcher.cpu_sets); None: any
     heartbeat: str | None = None  # a ZeroMQ endpoint answering Ping (services/heartbeat.py)
     health_url: str | None = None  # or an HTTP liveness URL (a router's /health)
     proc: subprocess.Popen | None = None
@@ -110,7 +121,7 @@ class Supervisor:
         # launcher alone, which stops every child once and in order (scheduler first, to drain).
         # Signalled by the terminal too, a router got SIGINT and then the launcher's SIGTERM, and
         # uvicorn cut its shutdown short with a CancelledError traceback.
-        child.proc = subprocess.Popen(child.argv, preexec_fn=_die_with_parent, env=env, process_group=0)
+        child.proc = subprocess.Popen(child.argv, preexec_fn=_starting(child.cpus), env=env, process_group=0)
         child.started_at, child.first_ok, child.last_ok = time.monotonic(), None, None
         if child.role == "kvstore":
             self.kvstore_pids.append(child.proc.pid)

@@ -213,3 +213,30 @@ def test_a_context_longer_than_the_models_is_refused_before_anything_starts(tiny
                         "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--max-model-len 999999" in lines[0], r.stderr
+
+
+def test_cpu_binding_gives_the_workers_cores_of_their_own():
+    """--cpu-binding auto on CPU: the workers' threads take the last cores, the other processes
+    the rest; nothing is bound when the workers take every core, on CUDA, or with off."""
+    cfg = up("--routers", "2", "--redis-url", "redis://127.0.0.1:6379")
+    assert launcher.cpu_sets(cfg, 1, [0, 1]) == {"worker0": {1}, "kvstore": {0}, "scheduler": {0},
+                                                  "router0": {0}, "router1": {0}}
+    assert launcher.cpu_sets(cfg, 3, [0, 2, 4, 6])["worker0"] == {2, 4, 6}
+    tp = up("--tensor-parallel", "2")
+    sets = launcher.cpu_sets(tp, 3, list(range(8)))
+    assert sets["worker0"] == {2, 3, 4} and sets["worker1"] == {5, 6, 7} and sets["router0"] == {0, 1}
+    assert launcher.cpu_sets(cfg, 2, [0, 1]) == {}
+    assert launcher.cpu_sets(up("--cpu-binding", "off"), 1, [0, 1]) == {}
+    assert launcher.cpu_sets(dataclasses.replace(cfg, device="cuda"), 1, [0, 1]) == {}
+
+
+def test_a_bound_child_runs_on_its_cores_and_its_threads_inherit_them(tmp_path):
+    from pagedserve.services.supervisor import Child, Supervisor
+    out = tmp_path / "cpus"
+    code = ("import os, threading; t = threading.Thread(target=lambda: None); t.start(); t.join(); "
+            f"open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0))))")
+    sup = Supervisor(hang_timeout_s=5, start_timeout_s=5)
+    first = sorted(os.sched_getaffinity(0))[0]
+    child = Child("worker0", [sys.executable, "-c", code], cpus=frozenset({first}))
+    sup._spawn(child)
+    assert child.proc.wait(30) == 0 and out.read_text() == repr([first])
