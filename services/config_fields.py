@@ -128,8 +128,7 @@ def _writable_file(v: str) -> bool | str:
 
 def step_log():
     return opt(None, "append one JSON line per engine step to this file: its seconds, the worker's, and "
-                     "what it computed (services/scheduler/step_log.py; loadgen profile fits the served step "
-                     "from it)", check=_writable_file, metavar="FILE")
+                     "what it computed (services/scheduler/step_log.py; loadgen fidelity reads it)", check=_writable_file, metavar="FILE")
 
 
 def max_num_seqs(default: int = 256):

@@ -238,5 +238,5 @@ def test_a_bound_child_runs_on_its_cores_and_its_threads_inherit_them(tmp_path):
     sup = Supervisor(hang_timeout_s=5, start_timeout_s=5)
     first = sorted(os.sched_getaffinity(0))[0]
     child = Child("worker0", [sys.executable, "-c", code], cpus=frozenset({first}))
-    sup._spawn(child)
+    sup.add(child)
     assert child.proc.wait(30) == 0 and out.read_text() == repr([first])

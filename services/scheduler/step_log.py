@@ -1,4 +1,4 @@
-"""One line per engine step, for whoever fits a model of the served step (`loadgen profile`).
+"""One line per engine step, for whoever sets the served steps beside a model of them (`loadgen fidelity`).
 
 `pagedserve up --step-log FILE` makes the scheduler append, after each step's update, a JSON list:
 
