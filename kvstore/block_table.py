@@ -17,7 +17,9 @@ DEVICE = "device"
 HOST = "host"
 
 
-@dataclass
+# eq=False: a table is one sequence's, compared by identity. (A generated __eq__ made the store's
+# bulk `None in tables` check call Python once per running sequence, on both mirror and replica.)
+@dataclass(eq=False)
 class SequenceTable:
     blocks: list[int]
     token_ids: list[int]

@@ -236,6 +236,19 @@ class _Shadow:
             s = self.seqs[seq_id] = [store.location(seq_id), store.num_tokens(seq_id)] if seq_id in store else None
         return s
 
+    def existing_all(self, seq_ids: list[int], location: str) -> list[list]:
+        """existing(i, location) for each of seq_ids (checked ints), the unseen ones asked of the
+        store in one call: a decode step's append_tokens names every running sequence."""
+        seqs = self.seqs
+        unseen = [i for i in seq_ids if i not in seqs]
+        if unseen:
+            seqs.update(zip(unseen, self.store.states_of(unseen)))
+        got = [seqs[i] for i in seq_ids]
+        for seq_id, s in zip(seq_ids, got):
+            if s is None or s[0] != location:
+                self.existing(seq_id, location)   # raises the right ReplayError
+        return got
+
     def existing(self, seq_id: Any, location: str | None = None) -> list:
         if type(seq_id) is not int:
             raise ReplayError(f"sequence id must be an int, not {type(seq_id).__name__}")
@@ -312,8 +325,8 @@ def _check_append_tokens(shadow: _Shadow, op: list) -> tuple:
         raise ReplayError(f"{len(ids)} sequence ids but {len(tokens)} tokens")
     if len(set(ids)) != len(ids):
         raise ReplayError("duplicate sequence ids")
-    for seq_id in ids:
-        shadow.existing(seq_id, DEVICE)[1] += 1
+    for s in shadow.existing_all(ids, DEVICE):
+        s[1] += 1
     return ids, tokens
 
 

@@ -106,6 +106,11 @@ class StoreState:
     def location(self, seq_id: int) -> str:
         return self._table(seq_id).location
 
+    def states_of(self, seq_ids: list[int]) -> list[list | None]:
+        """[location, num_tokens] of each of seq_ids, None for one the store does not hold: one
+        call for a batch (the kvstore checks every step's op log against them)."""
+        return [None if t is None else [t.location, len(t.token_ids)] for t in map(self._seqs.get, seq_ids)]
+
     def token_ids(self, seq_id: int) -> list[int]:
         return list(self._table(seq_id).token_ids)
 

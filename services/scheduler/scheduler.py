@@ -346,12 +346,20 @@ class Scheduler:
     def _append_all_at_once(self) -> bool:
         """Give every running sequence the slot for its last sampled token in one store call;
         False (and nothing appended) when they do not all fit, or one needs more than one token."""
+        seqs = [s for r in self.running for s in r.seqs]
+        if not seqs:
+            return True
         ids, tokens = [], []
-        for seq, new in self._to_append([s for r in self.running for s in r.seqs]):
-            if len(new) != 1:
-                return False
-            ids.append(seq.seq_id)
-            tokens.append(new[0])
+        # One pass, no per-sequence call (this runs for every running sequence every step): a
+        # sequence whose tokens the store all holds needs nothing; one token short, its last.
+        for seq, known in zip(seqs, self.store.num_tokens_of([s.seq_id for s in seqs])):
+            out = seq.output_token_ids
+            missing = len(seq.prompt_token_ids) + len(out) - known
+            if missing:
+                if missing != 1:
+                    return False
+                ids.append(seq.seq_id)
+                tokens.append(out[-1] if out else seq.prompt_token_ids[-1])
         if not ids:
             return True
         result = self.store.append_tokens(ids, tokens)
@@ -367,8 +375,7 @@ class Scheduler:
         growth takes no token budget and computing takes no block."""
         if not self._append_all_at_once():
             self._grow_one_by_one(out)
-        for req in self.running:
-            self._add_compute(req, out, budget)
+        self._add_compute(self.running, out, budget)
 
     def _grow_one_by_one(self, out: ScheduledStep) -> None:
         running = deque(self.running)
@@ -408,46 +415,54 @@ class Scheduler:
                 raise RuntimeError(f"append_slots failed after can_append: {result.reason}")
             self.stats["cow_copies"] += len(result.copies)
 
-    def _add_compute(self, req: Request, out: ScheduledStep, budget: list[int]) -> None:
-        """Give the request's sequences this step's tokens and say which want a sample.
+    def _add_compute(self, requests, out: ScheduledStep, budget: list[int]) -> None:
+        """Give each request's sequences this step's tokens and say which want a sample.
 
         Sequences of one request sample together (a beam step needs every beam's candidates), so
         a multi-sequence request being re-prefilled holds back each sequence's last token until
-        all of them can finish in the same step."""
-        seqs = req.seqs
-        # Each sequence keeps its last token back (hold) unless all of them finish in this step.
-        hold = 0 if len(seqs) == 1 or sum(s.num_pending for s in seqs) <= budget[0] else 1
+        all of them can finish in the same step. (One call for all the running requests: this
+        loop runs for every running sequence every step, so what it looks up is looked up once.)"""
         table = self.store.block_table_view
-        # Asked once per request, and the property only where prompt logprobs were asked for: this
-        # loop runs for every running request every step.
-        prompt_logprobs = req.params.prompt_logprobs is not None and req.needs_prompt_logprobs
-        pending = False
-        for seq in seqs:
-            start = seq.num_computed
-            n = len(seq.prompt_token_ids) + len(seq.output_token_ids) - start
-            if n == 0:
-                continue
-            pending = True
-            take = n - hold
-            if take > budget[0]:
-                take = budget[0]
-            if take <= 0:
-                continue
-            budget[0] -= take
-            step = SeqStep(seq.seq_id, seq.token_slice(start, start + take), start, table(seq.seq_id))
-            if prompt_logprobs and seq is seqs[0]:
-                prompt = req.prompt_token_ids
-                step.prompt_logprobs = req.params.prompt_logprobs
-                step.next_token = prompt[start + take] if start + take < len(prompt) else -1
-            out.steps.append(step)
-            if take != n:
-                out.samples.append([])
-            else:   # the cached draw when there is one (set only where it stays valid: see below)
-                out.samples.append(seq.sample_requests or self._sample_requests(req, seq, out))
-            out.computed.append((seq, take))
-            out.step_requests.append(req)
-        if pending:
-            out.requests.append(req)
+        add_step, add_samples, add_computed = out.steps.append, out.samples.append, out.computed.append
+        add_step_request, add_request = out.step_requests.append, out.requests.append
+        left = budget[0]
+        for req in requests:
+            seqs = req.seqs
+            # Each sequence keeps its last token back (hold) unless all of them finish in this step.
+            hold = 0 if len(seqs) == 1 or sum(s.num_pending for s in seqs) <= left else 1
+            # Asked once per request, and the property only where prompt logprobs were asked for.
+            prompt_logprobs = req.params.prompt_logprobs is not None and req.needs_prompt_logprobs
+            pending = False
+            for seq in seqs:
+                start = seq.num_computed
+                prompt, output = seq.prompt_token_ids, seq.output_token_ids
+                n = len(prompt) + len(output) - start
+                if n == 0:
+                    continue
+                pending = True
+                take = n - hold
+                if take > left:
+                    take = left
+                if take <= 0:
+                    continue
+                left -= take
+                end = start + take
+                tokens = output[start - len(prompt):end - len(prompt)] if start >= len(prompt) \
+                    else seq.token_slice(start, end)
+                step = SeqStep(seq.seq_id, tokens, start, table(seq.seq_id))
+                if prompt_logprobs and seq is seqs[0]:
+                    step.prompt_logprobs = req.params.prompt_logprobs
+                    step.next_token = req.prompt_token_ids[end] if end < len(req.prompt_token_ids) else -1
+                add_step(step)
+                if take != n:
+                    add_samples([])
+                else:   # the cached draw when there is one (set only where it stays valid: see below)
+                    add_samples(seq.sample_requests or self._sample_requests(req, seq, out))
+                add_computed((seq, take))
+                add_step_request(req)
+            if pending:
+                add_request(req)
+        budget[0] = left
 
     def _sample_requests(self, req: Request, seq: Sequence, out: ScheduledStep) -> list[SampleRequest]:
         p = req.params
@@ -490,7 +505,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._grow(req)
-            self._add_compute(req, out, budget)
+            self._add_compute((req,), out, budget)
 
     def _room_after_swap_in(self, req: Request) -> bool:
         """Room for the blocks coming back and for the next token of every sequence whose last
@@ -531,7 +546,7 @@ class Scheduler:
             if req.scheduled_time is None:
                 req.scheduled_time = self.clock()
             self.running.append(req)
-            self._add_compute(req, out, budget)
+            self._add_compute((req,), out, budget)
 
     def _admit(self, req: Request) -> bool:
         """Allocate every live sequence of the request (prompt, plus output after a recompute)."""
@@ -643,10 +658,15 @@ class Scheduler:
                     store.mark_computed(seq.seq_id, after)
         by_seq = {r.seq_id: r for r in results}
         finished: list[Request] = list(scheduled.aborted)
+        append_token = self._append_token
         for req in scheduled.requests:
             if req.status is FINISHED:
                 continue
-            wanted = [s for s in req.seqs if s.seq_id in by_seq]
+            seqs = req.seqs
+            if len(seqs) == 1:   # most requests: no comprehension (a call of its own) per request
+                wanted = seqs[:] if seqs[0].seq_id in by_seq else []
+            else:
+                wanted = [s for s in seqs if s.seq_id in by_seq]
             if wanted and by_seq[wanted[0].seq_id].token_id == WAITS_FOR_GRAMMAR:
                 # No draw: its grammar compiles on the worker (one constraint per request, so all
                 # its samples wait). Its last token is computed again next step, which draws then.
@@ -664,7 +684,7 @@ class Scheduler:
                 self._update_beams(req, by_seq)
             else:
                 for seq in wanted:
-                    self._append_token(req, seq, by_seq[seq.seq_id])
+                    append_token(req, seq, by_seq[seq.seq_id])
             if not req.seqs:
                 self._finish(req, None)
             if req.status is FINISHED:

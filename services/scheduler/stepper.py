@@ -34,8 +34,10 @@ class WorkerView:
         still holds (the params of any other are dropped on the worker)."""
         updates, new_params, histories, prompt_logprobs = {}, {}, {}, {}
         ids, tokens, starts, samples_of = [], [], [], []   # the SeqWork columns, built as columns
-        tables, params = self.tables, self.params
+        tables, params, with_history = self.tables, self.params, self.with_history
         replaced = []
+        # (Bound once: this loop runs for every sequence of every step.)
+        add_id, add_tokens, add_start, add_samples = ids.append, tokens.append, starts.append, samples_of.append
         for s, wanted, req in zip(scheduled.steps, scheduled.samples, scheduled.step_requests):
             table = s.block_table
             known = tables.get(s.seq_id)
@@ -51,13 +53,13 @@ class WorkerView:
                 params[req.request_id] = key
                 new_params[key] = req.params.to_dict()
                 if req.params.uses_penalties:
-                    self.with_history.add(key)
+                    with_history.add(key)
             if len(wanted) == 1:   # most steps of most sequences: no comprehension (a call of its own)
                 w = wanted[0]
                 samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)]]
             else:
                 samples = [[w.seq_id, key, w.seq_index, w.beam_candidates, len(w.output_token_ids)] for w in wanted]
-            if key in self.with_history:
+            if key in with_history:
                 for w in wanted:
                     histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
             elif len(s.token_ids) > 1 and req.params.structured_outputs is not None:
@@ -67,10 +69,10 @@ class WorkerView:
                         histories[w.seq_id] = [w.prompt_token_ids, w.output_token_ids]
             if s.prompt_logprobs >= 0:
                 prompt_logprobs[s.seq_id] = [s.prompt_logprobs, s.next_token]
-            ids.append(s.seq_id)
-            tokens.append(s.token_ids)
-            starts.append(s.start_pos)
-            samples_of.append(samples)
+            add_id(s.seq_id)
+            add_tokens(s.token_ids)
+            add_start(s.start_pos)
+            add_samples(samples)
         freed = list(tables.keys() - store.live_seq_ids())
         for sid in freed:
             del tables[sid]
@@ -106,26 +108,32 @@ class RouterView:
         no top logprobs, goes in the TokenDelta columns; anything else is a RequestUpdate."""
         batches: dict[bytes, tuple] = {}
         sent_all = self.sent
+        last_identity = batch = None   # (most steps: one router owns every request)
         for req in requests:
-            identity = owner.get(req.request_id)
+            rid = req.request_id
+            identity = owner.get(rid)
             if identity is None:
                 continue
-            batch = batches.get(identity)
-            if batch is None:
-                batch = batches[identity] = ([], [], [], [], [])
+            if identity != last_identity:
+                batch = batches.get(identity)
+                if batch is None:
+                    batch = batches[identity] = ([], [], [], [], [])
+                last_identity = identity
             seqs = req.seqs
+            params = req.params
             if len(seqs) == 1 and req.beam is None and not req.finished and req.status is not FINISHED \
-                    and req.params.logprobs is None and seqs[0].seq_index == 0 \
-                    and (req.params.prompt_logprobs is None or req.prompt_logprobs_sent):
+                    and params.logprobs is None and seqs[0].seq_index == 0 \
+                    and (params.prompt_logprobs is None or req.prompt_logprobs_sent):
                 seq = seqs[0]
-                sent = sent_all.get(req.request_id)
+                sent = sent_all.get(rid)
                 if sent is None:
-                    sent = sent_all[req.request_id] = {}
-                num_out = len(seq.output_token_ids)
+                    sent = sent_all[rid] = {}
+                out = seq.output_token_ids
+                num_out = len(out)
                 if num_out == sent.get(0, 0) + 1:
                     sent[0] = num_out
-                    batch[1].append(req.request_id)
-                    batch[2].append(seq.output_token_ids[-1])
+                    batch[1].append(rid)
+                    batch[2].append(out[-1])
                     batch[3].append(seq.logprobs[-1])
                     batch[4].append(seq.cum_logprob)
                     continue
