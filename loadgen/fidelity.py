@@ -12,6 +12,10 @@ no bound, the engine's steps and their mean time: the stack's from its --step-lo
 the end of the one before to the end of its update, services/scheduler/step_log.py), the
 simulator's as it planned and priced them. Fewer, longer measured steps at the same tokens say the
 profile prices a served step too cheap; equal steps with a latency off say the client's side is.
+Under each run's row, its logged steps by kind (decode rows only, prefill only, both): how many,
+and their mean served time, the worker's compute of them and what the profile prices a step of
+that very composition at. Served above worker is the control plane's and the processes' share;
+worker above priced, the engine's step as served costs more than as profiled.
 """
 from __future__ import annotations
 
@@ -86,11 +90,44 @@ def measure(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float
         stack.stop()
     measured = summarize(run.records, replay_cfg.percentiles)
     steps = step_log.read(str(log_path))
+    measured["steps_by_kind"] = steps_by_kind(steps, server, cfg.block_size)
     measured["num_steps"] = len(steps)
     measured["mean_step_ms"] = 1e3 * sum(r[0] for r in steps) / len(steps) if steps else None
     simulated = summary_of(simulate(sim_config(cfg, server, trace, rate), plan=run.plan))
     simulated["mean_step_ms"] = 1e3 * simulated["busy_seconds"] / simulated["num_steps"] if simulated["num_steps"] else None
     return measured, simulated
+
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+def steps_by_kind(steps: list[list[float]], server: ProfiledServer, block_size: int) -> dict:
+    """The stack's logged steps (step_log records) by kind: decode rows only, prefill rows only,
+    or both -> {kind: {steps, served_ms, worker_ms, priced_ms}}, means per step; priced: the
+    profile's price of each step's composition (ProfiledCost.priced, as the simulator charges it)."""
+    cost = server.cost_model()
+    sums: dict[str, list] = {}
+    for seconds, worker_s, d, c, q, pc, rows, ctx in steps:
+        kind = STEP_KINDS[0] if not q else STEP_KINDS[1] if not d else STEP_KINDS[2]
+        acc = sums.setdefault(kind, [0, 0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += seconds
+        acc[2] += worker_s
+        acc[3] += cost.priced(d, c, q, pc, rows, ctx, block_size)
+    return {kind: {"steps": n, "served_ms": 1e3 * a / n, "worker_ms": 1e3 * w / n, "priced_ms": 1e3 * p / n}
+            for kind in STEP_KINDS if kind in sums for n, a, w, p in [sums[kind]]}
+
+
+def steps_table(rows: list[dict]) -> str:
+    """Per run, its logged steps by kind (steps_by_kind)."""
+    lines = ["| trace | rate req/s | steps | steps | served ms | worker ms | priced ms | served / priced |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for kind, k in row.get("steps_by_kind", {}).items():
+            ratio = f"{k['served_ms'] / k['priced_ms']:.2f}" if k["priced_ms"] else "-"
+            lines.append(f"| {row['trace']} | {row['rate']:g} | {kind} | {k['steps']} | {k['served_ms']:.2f} | "
+                         f"{k['worker_ms']:.2f} | {k['priced_ms']:.2f} | {ratio} |")
+    return "\n".join(lines)
 
 
 def errors(measured: dict, simulated: dict) -> dict:
@@ -139,7 +176,7 @@ def fidelity(cfg: FidelityConfig) -> dict:
             folder = out / f"{Path(trace).stem}-{rate:g}"
             measured, simulated = measure(cfg, server, trace, rate, folder)
             rows.append({"trace": trace, "rate": rate, "figures": errors(measured, simulated),
-                         "measured_failed": measured.get("failed", 0)})
+                         "measured_failed": measured.get("failed", 0), "steps_by_kind": measured["steps_by_kind"]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     report = {"config": dataclasses.asdict(cfg), "rows": rows,
               "met": all(f["ok"] is not False for r in rows for f in r["figures"].values())}
@@ -147,5 +184,9 @@ def fidelity(cfg: FidelityConfig) -> dict:
     (out / "fidelity.json").write_text(json.dumps(jsonable(report), indent=1) + "\n")
     (out / "fidelity.md").write_text(f"# Simulator fidelity: {cfg.model}, profile {cfg.profile}\n\n{table(rows)}\n\n"
                                      "Error: simulated / measured - 1. Bounds (issue 31): output throughput and "
-                                     "TPOT mean within 10 %, TTFT mean within 15 %.\n")
+                                     "TPOT mean within 10 %, TTFT mean within 15 %.\n\n"
+                                     "The stack's steps by kind (its --step-log): served is each step as the "
+                                     "scheduler timed it, worker the worker's compute of it, priced what the "
+                                     "profile charges a step of that composition.\n\n"
+                                     f"{steps_table(rows)}\n")
     return report

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pagedserve.loadgen.cost_model import BlockMoves
 from pagedserve.loadgen.step_profile import Grid1, Grid2, ProfileError, StepProfile, load
+from pagedserve.services.scheduler.step_log import composition
 
 
 def _segment(xs: tuple[float, ...], x: float) -> tuple[int, float]:
@@ -84,22 +85,27 @@ class ProfiledCost:
                   block_tokens: int = 16) -> float:
         """Seconds for one step (the module's formula). num_sampled is unused: every measured step
         samples, its LM head included in the time."""
-        p = self.profile
-        decode = [ctx for q, ctx in seqs if q == 1]
-        prefill = [(q, ctx) for q, ctx in seqs if q > 1]
-        t = 0.0
-        if decode:
-            t += self.block_factor(block_tokens) * interp2(p.decode, len(decode), sum(decode) / len(decode))
-        if prefill:
-            tokens = sum(q for q, _ in prefill)
-            t += interp2(p.prefill, tokens, sum(q * (ctx - q) for q, ctx in prefill) / tokens)
-        if decode and prefill:
-            t = max(0.0, t - p.decode.z[0][0])
-        if p.step_overhead is not None:     # the served step beyond the engine's (may be < 0)
-            t = max(0.0, t + _lerp2(p.step_overhead, len(seqs), sum(ctx for _, ctx in seqs) / len(seqs)))
         moves = BlockMoves.of(swap_blocks)
-        return t + moves.swap_out * interp1(p.swap_out, block_tokens) \
+        p = self.profile
+        return self.priced(*composition(seqs), block_tokens) + moves.swap_out * interp1(p.swap_out, block_tokens) \
             + moves.swap_in * interp1(p.swap_in, block_tokens) + moves.copied * interp1(p.copy, block_tokens)
+
+    def priced(self, d: int, c: int, q: int, pc: int, rows: int, ctx: int, block_tokens: int = 16) -> float:
+        """The compute of a step of this composition (step_log.composition: D decode rows of C
+        context summed, Q prefill tokens over PC cached context, token-weighted, R rows of ctx
+        context summed), no block moves: what a simulated step is charged, and what fidelity
+        prices a logged step of the stack by."""
+        p = self.profile
+        t = 0.0
+        if d:
+            t += self.block_factor(block_tokens) * interp2(p.decode, d, c / d)
+        if q:
+            t += interp2(p.prefill, q, pc / q)
+        if d and q:
+            t = max(0.0, t - p.decode.z[0][0])
+        if p.step_overhead is not None and rows:     # the served step beyond the engine's (may be < 0)
+            t = max(0.0, t + _lerp2(p.step_overhead, rows, ctx / rows))
+        return t
 
 
 def _model_int(profile: StepProfile, key: str) -> int:

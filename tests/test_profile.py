@@ -134,7 +134,14 @@ def test_fidelity_runs_the_same_plan_on_the_stack_and_the_simulator(tiny_llama, 
         assert f["measured"] > 0 and f["simulated"] > 0, (key, f)
         assert f["error"] == pytest.approx(f["simulated"] / f["measured"] - 1)
         assert f["ok"] is (None if bound is None else abs(f["error"]) <= bound)
-    assert "| sharegpt | 4 |" in (tmp_path / "fid" / "fidelity.md").read_text()
+    md = (tmp_path / "fid" / "fidelity.md").read_text()
+    assert "| sharegpt | 4 |" in md
+    # The stack's logged steps, by kind, beside the profile's price of each: every step is in one.
+    kinds = row["steps_by_kind"]
+    assert kinds and set(kinds) <= {"decode", "prefill", "mixed"}
+    assert sum(k["steps"] for k in kinds.values()) == row["figures"]["num_steps"]["measured"]
+    assert all(k["served_ms"] > 0 and k["worker_ms"] > 0 and k["priced_ms"] > 0 for k in kinds.values())
+    assert f"| sharegpt | 4 | {next(iter(kinds))} |" in md
     assert json.loads((tmp_path / "fid" / "fidelity.json").read_text())["rows"][0]["rate"] == 4.0
 
 

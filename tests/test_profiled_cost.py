@@ -276,3 +276,28 @@ def test_async_scheduling_makes_an_arrival_wait_for_the_step_planned_ahead(profi
     ahead = summary_of(simulate(dataclasses.replace(small(profile_path), async_scheduling=True)))
     assert ahead["completed"] == sync["completed"] and ahead["total_output_tokens"] == sync["total_output_tokens"]
     assert ahead["mean_ttft_ms"] > sync["mean_ttft_ms"]
+
+
+def test_a_logged_step_is_priced_as_the_simulator_prices_its_rows(tmp_path):
+    # loadgen fidelity prices each step the stack logged (step_log.composition of its rows) with
+    # ProfiledCost.priced: the same price step_time gives those rows, block moves aside.
+    from pagedserve.loadgen.fidelity import steps_by_kind
+    from pagedserve.loadgen.profiled_cost import ProfiledServer
+    from pagedserve.services.scheduler.step_log import composition
+    path = tmp_path / "p.json"
+    step_profile.save(make_profile(api=API), path)
+    server = ProfiledServer.load(str(path))
+    cost = server.cost_model()
+    decode, prefill, mixed = [(1, 50), (1, 94)], [(40, 40), (32, 176)], [(1, 50), (1, 94), (40, 40), (32, 176)]
+    for rows in (decode, prefill, mixed):
+        assert cost.priced(*composition(rows), 10) == pytest.approx(cost.step_time(rows, len(rows), block_tokens=10),
+                                                                    rel=1e-12)
+    # Records [seconds, worker_s, D, C, Q, P, R, S]: two decode steps, one mixed; means per kind.
+    log = [[0.004, 0.003, *composition(decode)], [0.006, 0.005, *composition(decode)],
+           [0.010, 0.008, *composition(mixed)]]
+    kinds = steps_by_kind(log, server, 16)
+    assert list(kinds) == ["decode", "mixed"]
+    assert kinds["decode"]["steps"] == 2
+    assert kinds["decode"]["served_ms"] == pytest.approx(5.0) and kinds["decode"]["worker_ms"] == pytest.approx(4.0)
+    assert kinds["decode"]["priced_ms"] == pytest.approx(1e3 * cost.step_time(decode, 2))
+    assert kinds["mixed"]["priced_ms"] == pytest.approx(1e3 * cost.step_time(mixed, 4))

@@ -15,8 +15,8 @@ from pagedserve.services.steps import SeqStep
 def test_composition_worked_by_hand():
     # Two decode rows (contexts 10 and 30), a prompt chunk of 8 after 16 cached, a whole prompt of 5.
     rows = [(1, 10), (8, 24), (1, 30), (5, 5)]
-    assert composition(rows) == (2, 40, 13, 8 * 16 + 5 * 0, 4)
-    assert composition([]) == (0, 0, 0, 0, 0)
+    assert composition(rows) == (2, 40, 13, 8 * 16 + 5 * 0, 4, 10 + 24 + 30 + 5)
+    assert composition([]) == (0, 0, 0, 0, 0, 0)
 
 
 def test_a_step_is_one_line_and_a_cut_line_is_skipped(tmp_path):
@@ -28,9 +28,9 @@ def test_a_step_is_one_line_and_a_cut_line_is_skipped(tmp_path):
     log.flush()
     with open(path, "a") as f:
         f.write('[0.1, 0.0')                                     # a process killed mid-line
-    assert read(str(path)) == [[0.0025, 0.002, 1, 10, 3, 12, 2]]
+    assert read(str(path)) == [[0.0025, 0.002, 1, 10, 3, 12, 2, 17]]
     log.close()
-    assert json.loads(path.read_text().splitlines()[0]) == [0.0025, 0.002, 1, 10, 3, 12, 2]
+    assert json.loads(path.read_text().splitlines()[0]) == [0.0025, 0.002, 1, 10, 3, 12, 2, 17]
 
 
 @pytest.mark.parametrize("where, words", [("missing/steps.jsonl", "does not exist"), (".", "a file")])

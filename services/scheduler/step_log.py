@@ -2,7 +2,7 @@
 
 `pagedserve up --step-log FILE` makes the scheduler append, after each step's update, a JSON list:
 
-    [seconds, worker_s, D, C, Q, P, R]
+    [seconds, worker_s, D, C, Q, P, R, S]
 
 seconds   the step, as the pagedserve:engine_step_seconds{phase="step"} counter adds it (from the
           end of the step before, or from its planning if later, to the end of its update)
@@ -11,6 +11,7 @@ D, C      its decode rows (one new token each) and their context summed, the new
 Q, P      its prefill rows' tokens summed, and sum(q * cached) over them (the tokens weighted by
           the context already in the cache before them)
 R         its rows, decode and prefill
+S         the contexts of all its rows summed
 
 The same composition `loadgen simulate` prices a step by (loadgen/profiled_cost.py), so a step the
 simulator plans and a step the stack ran are described alike. Torch-free; written through a
@@ -21,18 +22,19 @@ from __future__ import annotations
 import json
 
 
-def composition(rows) -> tuple[int, int, int, int, int]:
-    """(D, C, Q, P, R) of a step from its rows, each (q, ctx): q tokens computed, ctx the context
+def composition(rows) -> tuple[int, int, int, int, int, int]:
+    """(D, C, Q, P, R, S) of a step from its rows, each (q, ctx): q tokens computed, ctx the context
     including them."""
-    d = c = q_sum = p = 0
+    d = c = q_sum = p = s = 0
     for q, ctx in rows:
+        s += ctx
         if q == 1:
             d += 1
             c += ctx
         else:
             q_sum += q
             p += q * (ctx - q)
-    return d, c, q_sum, p, len(rows)
+    return d, c, q_sum, p, len(rows), s
 
 
 class StepLog:
@@ -52,7 +54,7 @@ class StepLog:
 
 
 def read(path: str) -> list[list[float]]:
-    """The records of a step log, each [seconds, worker_s, D, C, Q, P, R]; a line cut short by a
+    """The records of a step log, each [seconds, worker_s, D, C, Q, P, R, S]; a line cut short by a
     process that was killed is skipped."""
     out = []
     with open(path, encoding="utf-8") as f:
@@ -61,6 +63,6 @@ def read(path: str) -> list[list[float]]:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, list) and len(rec) == 7:
+            if isinstance(rec, list) and len(rec) == 8:
                 out.append(rec)
     return out
