@@ -120,7 +120,7 @@ def steps_by_kind(steps: list[list[float]], server: ProfiledServer, block_size: 
 
 def steps_table(rows: list[dict]) -> str:
     """Per run, its logged steps by kind (steps_by_kind)."""
-    lines = ["| trace | rate req/s | steps | steps | served ms | worker ms | priced ms | served / priced |",
+    lines = ["| trace | rate req/s | kind | steps | served ms | worker ms | priced ms | served / priced |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for kind, k in row.get("steps_by_kind", {}).items():
