@@ -114,8 +114,13 @@ def steps_by_kind(steps: list[list[float]], server: ProfiledServer, block_size: 
         acc[1] += seconds
         acc[2] += worker_s
         acc[3] += cost.priced(d, c, q, pc, rows, ctx, block_size)
-    return {kind: {"steps": n, "served_ms": 1e3 * a / n, "worker_ms": 1e3 * w / n, "priced_ms": 1e3 * p / n}
-            for kind in STEP_KINDS if kind in sums for n, a, w, p in [sums[kind]]}
+    out = {}
+    for kind in STEP_KINDS:
+        if kind in sums:
+            n, served, worker, priced = sums[kind]
+            out[kind] = {"steps": n, "served_ms": 1e3 * served / n, "worker_ms": 1e3 * worker / n,
+                         "priced_ms": 1e3 * priced / n}
+    return out
 
 
 def steps_table(rows: list[dict]) -> str:

@@ -435,8 +435,7 @@ class Scheduler:
             pending = False
             for seq in seqs:
                 start = seq.num_computed
-                prompt, output = seq.prompt_token_ids, seq.output_token_ids
-                n = len(prompt) + len(output) - start
+                n = len(seq.prompt_token_ids) + len(seq.output_token_ids) - start
                 if n == 0:
                     continue
                 pending = True
@@ -447,9 +446,7 @@ class Scheduler:
                     continue
                 left -= take
                 end = start + take
-                tokens = output[start - len(prompt):end - len(prompt)] if start >= len(prompt) \
-                    else seq.token_slice(start, end)
-                step = SeqStep(seq.seq_id, tokens, start, table(seq.seq_id))
+                step = SeqStep(seq.seq_id, seq.token_slice(start, end), start, table(seq.seq_id))
                 if prompt_logprobs and seq is seqs[0]:
                     step.prompt_logprobs = req.params.prompt_logprobs
                     step.next_token = req.prompt_token_ids[end] if end < len(req.prompt_token_ids) else -1
