@@ -75,3 +75,23 @@ def test_against_a_peer_only_deliberate_differences(cases):
         print(line)
     print(f"{len(cases)} cases: {len(counted)} differences, {len(deliberate)} deliberate")
     assert not counted, f"{len(counted)} differences that are not deliberate (printed above)"
+
+
+def _chunk(*choice_fields: str) -> str:
+    choice = {"index": "int", "text": "str", **{f: "str" for f in choice_fields}}
+    return differential.json.dumps({"choices": ["list", [choice]], "id": "str"}, sort_keys=True)
+
+
+def test_a_stream_merged_for_being_behind_differs_in_no_field():
+    # Under load the router merges a stream's queued tokens (services/router/pacing.py): a
+    # five-token choice can arrive as its final chunk alone, and the text-only kind goes missing.
+    recorded = {"sse": {"chunk_shapes": [_chunk("finish_reason"), _chunk()]}}
+    merged = {"sse": {"chunk_shapes": [_chunk("finish_reason")]}}
+    assert differential.differences(merged, recorded) == []
+    assert differential.differences(recorded, merged) == []
+    # A kind with a field no chunk on the other side has is a difference, merged or not ...
+    extra = {"sse": {"chunk_shapes": [_chunk("finish_reason", "logprobs")]}}
+    assert differential.differences(extra, recorded)
+    # ... and so is losing the final chunk's field (only text chunks left).
+    no_finish = {"sse": {"chunk_shapes": [_chunk()]}}
+    assert differential.differences(no_finish, recorded)
