@@ -108,6 +108,7 @@ class Preset:
     description: str = ""
     request_overhead_s: float = 0.0   # the API's path beside the steps: none in the roofline presets
     event_s: float = 0.0              # one token's SSE event to the client: none in the roofline presets
+    admission_s_per_token: float = 0.0   # a prompt's admission beside the GPU: none in the roofline presets
 
     def num_kv_tokens(self) -> int:
         return self.kv_cache_bytes // self.model.kv_bytes_per_token

@@ -15,7 +15,10 @@ profile prices a served step too cheap; equal steps with a latency off say the c
 Under each run's row, its logged steps by kind (decode rows only, prefill only, both): how many,
 and their mean served time, the worker's compute of them and what the profile prices a step of
 that very composition at. Served above worker is the control plane's and the processes' share;
-worker above priced, the engine's step as served costs more than as profiled.
+worker above priced, the engine's step as served costs more than as profiled. Beside them, the
+simulator's steps of each kind and their mean charge (the priced compute and the admission of the
+prompts each takes in): a kind it plans more or fewer of than the stack ran says its schedule
+differs, not its prices.
 """
 from __future__ import annotations
 
@@ -98,9 +101,6 @@ def measure(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float
     return measured, simulated
 
 
-STEP_KINDS = ("decode", "prefill", "mixed")
-
-
 def steps_by_kind(steps: list[list[float]], server: ProfiledServer, block_size: int) -> dict:
     """The stack's logged steps (step_log records) by kind: decode rows only, prefill rows only,
     or both -> {kind: {steps, served_ms, worker_ms, priced_ms}}, means per step; priced: the
@@ -108,14 +108,14 @@ def steps_by_kind(steps: list[list[float]], server: ProfiledServer, block_size: 
     cost = server.cost_model()
     sums: dict[str, list] = {}
     for seconds, worker_s, d, c, q, pc, rows, ctx in steps:
-        kind = STEP_KINDS[0] if not q else STEP_KINDS[1] if not d else STEP_KINDS[2]
+        kind = step_log.step_kind((d, c, q))
         acc = sums.setdefault(kind, [0, 0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += seconds
         acc[2] += worker_s
         acc[3] += cost.priced(d, c, q, pc, rows, ctx, block_size)
     out = {}
-    for kind in STEP_KINDS:
+    for kind in step_log.STEP_KINDS:
         if kind in sums:
             n, served, worker, priced = sums[kind]
             out[kind] = {"steps": n, "served_ms": 1e3 * served / n, "worker_ms": 1e3 * worker / n,
@@ -124,14 +124,22 @@ def steps_by_kind(steps: list[list[float]], server: ProfiledServer, block_size: 
 
 
 def steps_table(rows: list[dict]) -> str:
-    """Per run, its logged steps by kind (steps_by_kind)."""
-    lines = ["| trace | rate req/s | kind | steps | served ms | worker ms | priced ms | served / priced |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Per run, its logged steps by kind (steps_by_kind) beside the simulator's steps of that kind
+    (how many it planned, their mean charge with each admitted prompt's admission in it)."""
+    lines = ["| trace | rate req/s | kind | steps | served ms | worker ms | priced ms | served / priced "
+             "| simulated steps | simulated ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        for kind, k in row.get("steps_by_kind", {}).items():
-            ratio = f"{k['served_ms'] / k['priced_ms']:.2f}" if k["priced_ms"] else "-"
-            lines.append(f"| {row['trace']} | {row['rate']:g} | {kind} | {k['steps']} | {k['served_ms']:.2f} | "
-                         f"{k['worker_ms']:.2f} | {k['priced_ms']:.2f} | {ratio} |")
+        served, simulated = row.get("steps_by_kind", {}), row.get("simulated_steps_by_kind", {})
+        for kind in step_log.STEP_KINDS:
+            k, sim = served.get(kind), simulated.get(kind)
+            if k is None and sim is None:
+                continue
+            cells = ["-"] * 5 if k is None else [
+                str(k["steps"]), f"{k['served_ms']:.2f}", f"{k['worker_ms']:.2f}", f"{k['priced_ms']:.2f}",
+                f"{k['served_ms'] / k['priced_ms']:.2f}" if k["priced_ms"] else "-"]
+            cells += ["0", "-"] if sim is None else [str(sim["steps"]), f"{sim['priced_ms']:.2f}"]
+            lines.append(f"| {row['trace']} | {row['rate']:g} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -181,7 +189,8 @@ def fidelity(cfg: FidelityConfig) -> dict:
             folder = out / f"{Path(trace).stem}-{rate:g}"
             measured, simulated = measure(cfg, server, trace, rate, folder)
             rows.append({"trace": trace, "rate": rate, "figures": errors(measured, simulated),
-                         "measured_failed": measured.get("failed", 0), "steps_by_kind": measured["steps_by_kind"]})
+                         "measured_failed": measured.get("failed", 0), "steps_by_kind": measured["steps_by_kind"],
+                         "simulated_steps_by_kind": simulated["steps_by_kind"]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     report = {"config": dataclasses.asdict(cfg), "rows": rows,
               "met": all(f["ok"] is not False for r in rows for f in r["figures"].values())}
@@ -192,6 +201,7 @@ def fidelity(cfg: FidelityConfig) -> dict:
                                      "TPOT mean within 10 %, TTFT mean within 15 %.\n\n"
                                      "The stack's steps by kind (its --step-log): served is each step as the "
                                      "scheduler timed it, worker the worker's compute of it, priced what the "
-                                     "profile charges a step of that composition.\n\n"
+                                     "profile charges a step of that composition; simulated, the steps "
+                                     "of that kind the simulator planned and what it charged them.\n\n"
                                      f"{steps_table(rows)}\n")
     return report

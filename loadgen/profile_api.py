@@ -6,10 +6,16 @@ A client's TTFT is its prompt's prefill step plus the path: the HTTP request and
 parsing and tokenizing, the scheduler's admission, the hops between router, scheduler, kvstore and
 worker, and the first token's way back as an SSE event. The simulator prices steps; without the
 path its TTFT on the tiny model was a third of the measured one (3.6 vs 10.4 ms). Measured here
-one request at a time (no queue, no batch: nothing but the path and the step), a short fresh
-prompt each (no prefix-cache hit), as the median of `requests`; the path is that TTFT minus the
-profile's own step for the same prompt. The simulator adds it to every token time of a request:
-the way in delays the whole response, the way out every event of it.
+one request at a time (no queue, no batch: nothing but the path and the step), fresh prompts (no
+prefix-cache hit) of each of the prefill grid's lengths, as the median of `requests` each; the
+path at a length is that TTFT minus the profile's own step for the same prompt, and the line
+through them (admission_fit) splits it in two. Its fixed part (request_overhead_s) the simulator
+adds to every token time of a request: the way in delays the whole response, the way out every
+event of it. Its part per prompt token (admission_s_per_token) is admission: the router parsing
+and tokenizing the prompt, the scheduler and the kvstore hashing its blocks, on the cores the
+worker shares; the simulator charges it on the step that admits the request. (Fidelity's step
+log found it: on the Mooncake trace the prefill-only steps took 2.6 ms more served than the
+worker's compute of them, which a path measured on 16-token prompts alone could not price.)
 
 The path is timed with loadgen replay's own client (aiohttp, its TTFT definition), the client
 `loadgen fidelity` measures the stack with, one request at a time.
@@ -117,21 +123,26 @@ def window_step(records, least_steps: float = 1) -> tuple[float, float] | None:
     return (end - start) / steps, steps
 
 
-def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vocab: int, batches: list[int],
-                contexts: list[int], engine_decode_s, decode_len: int = 32, requests: int = 20,
+def measure_api(model: str, flags: list[str], prompt_lens: list[int], prefill_s: list[float], vocab: int,
+                batches: list[int], contexts: list[int], engine_decode_s, decode_len: int = 32, requests: int = 20,
                 warmup: int = 3, step_tokens: int = 2048) -> dict:
-    """The "api" entry. engine_decode_s(batch, context) -> the profile's engine step there."""
+    """The "api" entry. prompt_lens and prefill_s: the profile's prefill grid's token axis and its
+    engine step at each with nothing cached; engine_decode_s(batch, context) -> the profile's
+    engine decode step there."""
     stack = Stack(model, *flags, "--max-num-batched-tokens", str(step_tokens))
     try:
-        ttfts = request_ttfts(stack.url, model, prompt_len, warmup + requests, seed=1)[warmup:]
+        request_ttfts(stack.url, model, prompt_lens[0], warmup, seed=1)
+        ttfts = [statistics.median(request_ttfts(stack.url, model, n, requests, seed=2 + i))
+                 for i, n in enumerate(prompt_lens)]
         served = [[served_step(stack, b, c, decode_len, step_tokens) for c in contexts] for b in batches]
     finally:
         stack.stop()
-    ttft = statistics.median(ttfts)
+    fixed, per_token = admission_fit(prompt_lens, [t - s for t, s in zip(ttfts, prefill_s)])
     points = [p for row in served for p in row]
     # The context axis: the prompt and half the window, as a decode step's mean context is read.
-    return {"request_overhead_s": max(0.0, ttft - step_s), "ttft_s": ttft, "engine_step_s": step_s,
-            "requests": requests, "prompt_tokens": prompt_len,
+    return {"request_overhead_s": fixed, "admission_s_per_token": per_token,
+            "prompt": {"tokens": list(prompt_lens), "ttft_s": ttfts, "engine_step_s": list(prefill_s)},
+            "requests": requests,
             "step_overhead": {"batch": list(batches), "context": [c + decode_len / 2 for c in contexts],
                               "seconds": [[p.step_s - engine_decode_s(b, p.context) for p in row]
                                           for b, row in zip(batches, served)],
@@ -139,6 +150,20 @@ def measure_api(model: str, flags: list[str], prompt_len: int, step_s: float, vo
                               "window_context": [[p.context for p in row] for row in served],
                               "decode_len": decode_len, "step_tokens": step_tokens},
             "event_s": per_event_s(points)}
+
+
+def admission_fit(tokens: list[int], path_s: list[float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per prompt token) of a request's path beside its engine step, the
+    least-squares line through (prompt tokens, TTFT - the engine's prefill step), both floored at
+    0: the fixed part is the HTTP path and the hops, the per-token part what admitting a prompt
+    costs outside the worker (the router's parsing and tokenizing, the scheduler's and the
+    kvstore's hashing of its blocks). One length: all of it fixed."""
+    if len(tokens) < 2:
+        return max(0.0, path_s[0]), 0.0
+    mx, my = statistics.fmean(tokens), statistics.fmean(path_s)
+    slope = sum((x - mx) * (y - my) for x, y in zip(tokens, path_s)) / sum((x - mx) ** 2 for x in tokens)
+    slope = max(0.0, slope)
+    return max(0.0, my - slope * mx), slope
 
 
 def per_event_s(points: list[Served]) -> float:

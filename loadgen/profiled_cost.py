@@ -157,6 +157,12 @@ class ProfiledServer:
         return self.profile.request_overhead_s
 
     @property
+    def admission_s_per_token(self) -> float:
+        """A prompt's admission outside the worker, per prompt token (loadgen/profile_api.py):
+        charged on the step that admits its request."""
+        return self.profile.admission_s_per_token
+
+    @property
     def event_s(self) -> float:
         """One token's SSE event, router and client (loadgen/profile_api.py): a step's tokens
         reach their clients (B + 1) / 2 events late on average."""

@@ -31,6 +31,7 @@ from pagedserve.loadgen.traces import load_trace
 from pagedserve.loadgen.workload import Plan, build_plan
 from pagedserve.services.sampling_params import SamplingParams
 from pagedserve.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedserve.services.scheduler.step_log import composition, step_kind
 from pagedserve.services.steps import SampleResult
 
 FIRST_TOKEN_ID, VOCAB = 10, 50000
@@ -48,6 +49,8 @@ class SimResult:
     wall_s: float
     notes: list[str] = field(default_factory=list)
     busy_s: float = 0.0         # the steps' priced seconds summed (virtual time the engine ran)
+    # kind (step_log.step_kind) -> [steps, their priced seconds summed]
+    steps_by_kind: dict = field(default_factory=dict)
 
 
 def preset_of(cfg: SimulateConfig) -> Preset | ProfiledServer:
@@ -124,6 +127,8 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
                for r in requests}
     rid_of = {}
     nxt, steps, busy = 0, 0, 0.0
+    by_kind: dict[str, list] = {}
+    admitted: set[str] = set()    # requests whose prompt's admission has been charged
     ahead = None            # async scheduling: (the step planned while the last one ran, its block moves)
     while nxt < len(requests) or sched.has_unfinished():
         while nxt < len(requests) and requests[nxt].arrival <= now[0]:
@@ -160,6 +165,15 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
             continue
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in step.steps]
         dt = cost.step_time(seqs, sum(1 for w in step.samples if w), moves, bs)
+        # The requests this step starts had their prompts taken in (tokenized, their blocks hashed)
+        # beside the worker, on the same cores, before it ran (preset.admission_s_per_token).
+        for req in step.step_requests:
+            if req.request_id not in admitted:
+                admitted.add(req.request_id)
+                dt += preset.admission_s_per_token * len(req.prompt_token_ids)
+        acc = by_kind.setdefault(step_kind(composition(seqs)), [0, 0.0])
+        acc[0] += 1
+        acc[1] += dt
         now[0] += dt
         busy += dt
         steps += 1
@@ -172,7 +186,7 @@ def simulate(cfg: SimulateConfig, scheduler_config: SchedulerConfig | None = Non
         _record(sched, sched.update(step, _draws(step.samples)), records, rid_of)
     _delay(records.values(), preset.request_overhead_s)
     return SimResult(cfg, preset, plan, [records[r.index] for r in requests], sched.kv_breakdown(),
-                     dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes), busy)
+                     dict(sched.stats), steps, time.perf_counter() - started, list(plan.notes), busy, by_kind)
 
 
 def _block_moves(ops: list[list], results: list) -> BlockMoves:
@@ -244,6 +258,7 @@ def summary_of(result: SimResult) -> dict:
                       "kv_breakdown": {"cache": sat["cache"], "allocated": sat["allocated"]}},
         "num_steps": result.num_steps,
         "busy_seconds": result.busy_s,
+        "steps_by_kind": {kind: {"steps": n, "priced_ms": 1e3 * t / n} for kind, (n, t) in result.steps_by_kind.items()},
         "simulated_seconds": kb["seconds"],
         "wall_seconds": result.wall_s,
         "num_preemptions": result.scheduler_stats.get("preemptions", 0),

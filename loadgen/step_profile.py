@@ -32,6 +32,10 @@ Optional:
      "api": {"request_overhead_s": s,       what a request's latency holds beside its steps (the
                                              HTTP path, the hops between the processes): the
                                              simulator adds it to every token time of a request;
+             "admission_s_per_token": s,    (optional, 0 without it) what admitting a prompt costs
+                                             outside the worker per prompt token (tokenizing,
+                                             hashing its blocks): charged on the step that
+                                             admits the request;
              "step_overhead": {"batch": [B...], "context": [C...], "seconds": [[s for C] for B]},
              "event_s": s, ...}
          a served step's time beyond the engine's at B rows of mean context C (the router's
@@ -85,6 +89,7 @@ class StepProfile:
     request_overhead_s: float = 0.0   # "api"; 0 for a profile taken without it
     step_overhead: Grid2 | None = None  # "api", (rows, mean context) -> s; None: no served-step term
     event_s: float = 0.0              # "api": one SSE event's cost to the router and the client
+    admission_s_per_token: float = 0.0  # "api": a prompt's admission outside the worker, per token
 
     @property
     def model(self) -> dict:
@@ -146,16 +151,19 @@ def parse(raw: dict) -> StepProfile:
                        _grid1(raw, "copy", "block_size", "seconds_per_block"), *_api(raw))
 
 
-def _api(raw: dict) -> tuple[float, Grid2 | None, float]:
+def _api(raw: dict) -> tuple[float, Grid2 | None, float, float]:
     api = raw.get("api")
     if api is None:
-        return 0.0, None, 0.0
+        return 0.0, None, 0.0, 0.0
     value = api.get("request_overhead_s") if isinstance(api, dict) else None
     if not isinstance(value, (int, float)) or value < 0:
         raise ProfileError("api.request_overhead_s must be a non-negative number")
     event = api.get("event_s", 0.0)
     if not isinstance(event, (int, float)) or isinstance(event, bool) or not 0 <= event < 1:
         raise ProfileError("api.event_s must be a number of seconds in [0, 1)")
+    admission = api.get("admission_s_per_token", 0.0)
+    if not isinstance(admission, (int, float)) or isinstance(admission, bool) or not 0 <= admission < 0.01:
+        raise ProfileError("api.admission_s_per_token must be a number of seconds in [0, 0.01)")
     g = _grid2(api.get("step_overhead"), "api.step_overhead", "batch", "context", least=1, signed=True)
     # An axis of one point: the same overhead all along it (interpolation wants two).
     x, y, z = g.x, g.y, g.z
@@ -163,7 +171,7 @@ def _api(raw: dict) -> tuple[float, Grid2 | None, float]:
         x, z = (x[0], x[0] + 1), (z[0], z[0])
     if len(y) == 1:
         y, z = (y[0], y[0] + 1), tuple((row[0], row[0]) for row in z)
-    return float(value), Grid2(x, y, z), float(event)
+    return float(value), Grid2(x, y, z), float(event), float(admission)
 
 
 def load(path: str | Path) -> StepProfile:

@@ -108,7 +108,11 @@ def test_the_api_entry_measures_a_real_stack(tiny_profile):
     (loadgen/profile_api.py): measured, and read back into the profile the simulator uses."""
     raw, path = tiny_profile
     api = raw["api"]
-    assert api["ttft_s"] > 0 and api["request_overhead_s"] >= 0 and api["prompt_tokens"] == 16
+    # TTFT at each of the prefill grid's prompt lengths, beside the engine's step for that prompt.
+    prompt = api["prompt"]
+    assert prompt["tokens"] == [16, 32] and all(t > 0 for t in prompt["ttft_s"])
+    assert prompt["engine_step_s"] == [row[0] for row in raw["prefill"]["seconds"]]
+    assert api["request_overhead_s"] >= 0 and api["admission_s_per_token"] >= 0
     assert api["step_overhead"]["batch"] == [1]              # api_batch above the decode grid's 2: skipped
     assert api["step_overhead"]["context"] == [32 + 16, 512 + 16]   # the decode's mean context
     assert all(s > 0 for row in api["step_overhead"]["served_step_s"] for s in row)
@@ -118,6 +122,17 @@ def test_the_api_entry_measures_a_real_stack(tiny_profile):
     assert api["event_s"] > 0 and loaded_event_s(path) == api["event_s"]
     loaded = step_profile.load(path)
     assert loaded.request_overhead_s == api["request_overhead_s"] and loaded.step_overhead is not None
+    assert loaded.admission_s_per_token == api["admission_s_per_token"]
+
+
+def test_a_request_s_path_splits_into_fixed_and_per_prompt_token():
+    from pagedserve.loadgen.profile_api import admission_fit
+    # 3 ms fixed, 2 us a token, on a line: found exactly.
+    fixed, per_token = admission_fit([16, 256, 1024], [3e-3 + n * 2e-6 for n in (16, 256, 1024)])
+    assert fixed == pytest.approx(3e-3) and per_token == pytest.approx(2e-6)
+    # Noise that makes the path shrink with the prompt: no negative per-token cost, the mean fixed.
+    assert admission_fit([16, 1024], [4e-3, 3e-3]) == (pytest.approx(3.5e-3), 0.0)
+    assert admission_fit([16], [-1e-3]) == (0.0, 0.0)          # one length, the step above the TTFT
 
 
 def test_fidelity_runs_the_same_plan_on_the_stack_and_the_simulator(tiny_llama, tiny_profile, tmp_path):
@@ -142,6 +157,10 @@ def test_fidelity_runs_the_same_plan_on_the_stack_and_the_simulator(tiny_llama, 
     assert sum(k["steps"] for k in kinds.values()) == row["figures"]["num_steps"]["measured"]
     assert all(k["served_ms"] > 0 and k["worker_ms"] > 0 and k["priced_ms"] > 0 for k in kinds.values())
     assert f"| sharegpt | 4 | {next(iter(kinds))} |" in md
+    # Beside them the simulator's steps by kind: the same number of steps in all as it reports.
+    sim = row["simulated_steps_by_kind"]
+    assert sum(k["steps"] for k in sim.values()) == row["figures"]["num_steps"]["simulated"]
+    assert all(k["priced_ms"] > 0 for k in sim.values())
     assert json.loads((tmp_path / "fid" / "fidelity.json").read_text())["rows"][0]["rate"] == 4.0
 
 

@@ -2,6 +2,7 @@
 (loadgen/profiled_cost.py). The profiles here are written by hand; no model is needed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -257,8 +258,33 @@ def test_each_step_s_tokens_reach_their_clients_one_event_after_another(profile_
     assert one_late["mean_tpot_ms"] == pytest.approx(one["mean_tpot_ms"])
 
 
+def test_a_prompt_s_admission_is_charged_once_on_the_step_that_takes_it_in(profile_path, tmp_path):
+    """api.admission_s_per_token: the step that starts a request costs its prompt's tokens times it
+    more, once (the later chunks and decode steps of that request do not pay it again)."""
+    admitting = tmp_path / "admission.json"
+    per_token = 1e-5
+    step_profile.save(make_profile(api={"request_overhead_s": 0.0, "step_overhead": NO_STEP_OVERHEAD,
+                                        "admission_s_per_token": per_token}), admitting)
+    cfg = small(profile_path, num_requests=1, rate=float("inf"))
+    plain, charged = simulate(cfg), simulate(dataclasses.replace(cfg, profile=str(admitting)))
+    prompt = plain.records[0].prompt_tokens
+    assert charged.num_steps == plain.num_steps
+    assert charged.busy_s == pytest.approx(plain.busy_s + per_token * prompt)
+    # One request alone: its first token later by its admission, the tokens after it not at all.
+    (a, b) = plain.records[0], charged.records[0]
+    assert b.first_token - a.first_token == pytest.approx(per_token * prompt)
+    assert [y - x for x, y in zip(a.token_times, b.token_times)] == pytest.approx([per_token * prompt] * len(a.token_times))
+    # By kind: the admitting step is a prefill one, and it holds the whole charge.
+    kinds = summary_of(charged)["steps_by_kind"]
+    assert sum(k["steps"] for k in kinds.values()) == charged.num_steps
+    assert kinds["prefill"]["priced_ms"] * kinds["prefill"]["steps"] == pytest.approx(
+        summary_of(plain)["steps_by_kind"]["prefill"]["priced_ms"] * kinds["prefill"]["steps"] + 1e3 * per_token * prompt)
+
+
 def test_an_api_entry_that_cannot_be_used_is_refused():
     for api in ({"request_overhead_s": -1.0, "step_overhead": API["step_overhead"]},
+                {"request_overhead_s": 1.0, "step_overhead": API["step_overhead"], "admission_s_per_token": -1e-6},
+                {"request_overhead_s": 1.0, "step_overhead": API["step_overhead"], "admission_s_per_token": "1"},
                 {"request_overhead_s": 1.0, "step_overhead": API["step_overhead"], "event_s": -1e-3},
                 {"request_overhead_s": 1.0, "step_overhead": API["step_overhead"], "event_s": True},
                 {"request_overhead_s": 1.0},

@@ -37,6 +37,15 @@ def composition(rows) -> tuple[int, int, int, int, int, int]:
     return d, c, q_sum, p, len(rows), s
 
 
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+def step_kind(comp: tuple) -> str:
+    """A step's kind from its composition (D, C, Q, ...): decode rows only, prefill only, or both."""
+    d, q = comp[0], comp[2]
+    return STEP_KINDS[0] if not q else STEP_KINDS[1] if not d else STEP_KINDS[2]
+
+
 class StepLog:
     def __init__(self, path: str):
         self.file = open(path, "a", encoding="utf-8", buffering=1 << 16)
