@@ -13,7 +13,7 @@ from pagedserve.services.router.generation import Generation
 from pagedserve.services.router.openai_schema import ChatCompletionRequest
 from pagedserve.services.router.pipeline import Endpoint
 from pagedserve.services.router.responses import best_choices, prompt_logprobs_json, usage
-from pagedserve.services.router.tools import ToolCallStream, ToolPlan, finish_reason, tool_plan
+from pagedserve.services.router.tools import ToolCallStream, ToolPlan, tool_plan
 from pagedserve.services.sampling_params import MAX_LOGPROBS
 
 
@@ -135,7 +135,7 @@ class ChatFormatter:
             out.append({**self._base(), "choices": [{
                 "index": ev.index, "delta": {"tool_calls": deltas} if deltas else {},
                 "logprobs": self._logprobs(ev.logprobs),
-                "finish_reason": finish_reason(ev.finish_reason, bool(stream.sent)),
+                "finish_reason": self.tools.finish_reason(ev.finish_reason, bool(stream.sent)),
                 "stop_reason": ev.stop_reason,
                 **({"token_ids": [e.token_id for e in ev.logprobs]} if self.token_ids else {})}]})
         return out
@@ -147,7 +147,7 @@ class ChatFormatter:
             return {"message": {"role": "assistant", "content": self.echo + c.text}, "finish_reason": c.finish_reason}
         calls = self.tools.calls(c.text)
         return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
-                "finish_reason": finish_reason(c.finish_reason, bool(calls))}
+                "finish_reason": self.tools.finish_reason(c.finish_reason, bool(calls))}
 
     def usage_chunk(self) -> dict:
         return {**self._base(), "choices": [], "usage": usage(self.gen, self.gen.all_choices)}

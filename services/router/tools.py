@@ -35,10 +35,13 @@ class ToolPlan:
         arguments, as vLLM's named tool calls do; the finish reason says it was cut."""
         return [_call_header(name, args) for name, args in self.parts(text)]
 
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's: "tool_calls" for a choice of tool_choice "required" that ended by itself after
+        calling; a named function's call ends "stop" (the caller chose the tool; vLLM agrees since
+        its PR 25054), and a cut one keeps its reason."""
+        return "tool_calls" if reason == "stop" and called and self.named is None else reason
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's "tool_calls" for a choice that ended by itself after calling; a cut one keeps its reason."""
-    return "tool_calls" if reason == "stop" and called else reason
+
 
 
 def _call_header(name: str, arguments: str) -> dict:
