@@ -28,6 +28,7 @@ NAMES = {"paged": "vLLM (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "
 RATES = {"sharegpt": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "alpaca": [10.0, 20.0, 30.0, 45.0, 60.0, 90.0]}
 TRACES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
 PAPER_RATE = {"sharegpt": 2.0, "alpaca": 30.0}        # Fig. 13's rates
+FIG19_RATE = 3.0                                      # Fig. 19's ShareGPT rate
 # Saturation, where the batch is memory arithmetic: ShareGPT at 4 req/s is past every allocator's
 # capacity; paged serves Alpaca past 90 req/s, so its requests all arrive at once there.
 SATURATED = {"sharegpt": 4.0, "alpaca": math.inf}
@@ -83,17 +84,54 @@ def plan_runs(cfg: PaperConfig) -> dict[str, SimulateConfig]:
             for alloc in ("paged", "orca-oracle"):
                 add(f"fig16/{prefix}/{alloc}", trace="alpaca", rate=math.inf, shared_prefix_len=prefix,
                     allocation=alloc, num_requests=n)
+    # Figs. 18b and 19 are about the block size at a load: on a profiled machine, the paper's load.
+    scale = machine_scale(cfg) if cfg.profile and figs & {"18b", "19"} else None
+    at = {} if scale is None else {"kv_cache_gib": scale.pool_gib}
     if "18b" in figs:
         for trace, rate in PAPER_RATE.items():
             for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-                add(f"fig18b/{trace}/{bs}", trace=trace, rate=rate, block_size=bs,
-                    num_requests=n // 2 * (ALPACA_SCALE if trace == "alpaca" else 1))
+                add(f"fig18b/{trace}/{bs}", trace=trace, rate=scaled(rate, scale, trace), block_size=bs,
+                    num_requests=n // 2 * (ALPACA_SCALE if trace == "alpaca" else 1), **at)
     if "19" in figs:
         for mode in ("swap", "recompute"):
             for bs in (4, 16, 64, 256):
-                add(f"fig19/{mode}/{bs}", trace="sharegpt", rate=3.0, block_size=bs, preemption_mode=mode,
-                    swap_space_gib=32.0, num_requests=n // 2)
+                add(f"fig19/{mode}/{bs}", trace="sharegpt", rate=scaled(FIG19_RATE, scale, "sharegpt"),
+                    block_size=bs, preemption_mode=mode, swap_space_gib=32.0, num_requests=n // 2, **at)
     return runs
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineScale:
+    """Where a profiled machine stands as the paper's OPT-13B on an A100-40GB does: a KV pool of as
+    many whole contexts of its model as the preset's pool holds of OPT-13B's (the same memory
+    pressure), and per trace its saturated request rate over the preset's on that pool (the same
+    load for a paper's rate times it)."""
+    pool_gib: float
+    rate_factor: dict[str, float]
+
+
+def machine_scale(cfg: PaperConfig) -> MachineScale:
+    """Both servers simulated with every request at once (the trace's saturated rate), paged, at
+    their default block size; --kv-cache-gib, when given, is the profiled pool instead."""
+    from pagedserve.loadgen.cost_model import GiB, PRESETS
+    from pagedserve.loadgen.profiled_cost import ProfiledServer
+    from pagedserve.loadgen.simulate import simulate, summary_of
+    preset = PRESETS["opt-13b-a100-40g"]
+    server = ProfiledServer.load(cfg.profile)
+    contexts = preset.num_kv_tokens() / preset.max_model_len
+    pool = cfg.kv_cache_gib or contexts * server.max_model_len * server.kv_bytes_per_token / GiB
+    factor = {}
+    for trace in PAPER_RATE:
+        count = max(20, cfg.num_requests // 2) * (ALPACA_SCALE if trace == "alpaca" else 1)
+        sat = [summary_of(simulate(SimulateConfig(trace=trace, rate=math.inf, num_requests=count, seed=cfg.seed,
+                                                  **kw)))["request_throughput"]
+               for kw in ({"preset": "opt-13b-a100-40g"}, {"profile": cfg.profile, "kv_cache_gib": pool})]
+        factor[trace] = sat[1] / sat[0]
+    return MachineScale(pool, factor)
+
+
+def scaled(rate: float, scale: MachineScale | None, trace: str) -> float:
+    return rate if scale is None else round(rate * scale.rate_factor[trace], 3)
 
 
 def _cost(cfg: SimulateConfig) -> int:
@@ -369,9 +407,13 @@ def fig18b(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
     sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     data = {t: {bs: results[f"fig18b/{t}/{bs}"]["mean_normalized_latency_s_per_token"] for bs in sizes}
             for t in PAPER_RATE}
-    lines = ["## Fig. 18b: block size (normalized latency, s/token, at the paper's rates)", "",
-             "| trace | " + " | ".join(str(b) for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    lines += [f"| {t} @ {PAPER_RATE[t]:g} | " + " | ".join(f"{data[t][b]:.3f}" for b in sizes) + " |" for t in data]
+    rate = {t: results[f"fig18b/{t}/16"]["request_rate"] for t in PAPER_RATE}
+    lines = ["## Fig. 18b: block size (normalized latency, s/token, at the paper's rates"
+             + (", scaled to the profiled machine)" if _profiled(results) else ")"), "",
+             "| trace @ req/s | " + " | ".join(str(b) for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    lines += [f"| {t} @ {rate[t]:g} | " + " | ".join(f"{data[t][b]:.3f}" for b in sizes) + " |" for t in data]
+    if _profiled(results):
+        lines += ["", _scale_text(results, "fig18b/sharegpt/16", PAPER_RATE["sharegpt"])]
     lines += ["", f"Paper: {PAPER['fig18b']}. " + _block_cost_text(results, sizes), ""]
     return "\n".join(lines), data
 
@@ -396,12 +438,25 @@ def fig19(results: dict, out: Path, plots: bool) -> tuple[str, dict]:
     data = {m: {bs: results[f"fig19/{m}/{bs}"]["mean_normalized_latency_s_per_token"] for bs in sizes}
             for m in ("swap", "recompute")}
     pre = {m: {bs: results[f"fig19/{m}/{bs}"]["num_preemptions"] for bs in sizes} for m in data}
-    lines = ["## Fig. 19: swap vs recompute (ShareGPT at 3 req/s, normalized latency s/token; preemptions)", "",
+    rate = results["fig19/swap/16"]["request_rate"]
+    lines = [f"## Fig. 19: swap vs recompute (ShareGPT at {rate:g} req/s"
+             + (", the paper's 3 scaled to the profiled machine" if _profiled(results) else "")
+             + ", normalized latency s/token; preemptions)", "",
              "| mode | " + " | ".join(f"block {b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
     lines += [f"| {m} | " + " | ".join(f"{data[m][b]:.3f} ({pre[m][b]})" for b in sizes) + " |" for m in data]
+    if _profiled(results):
+        lines += ["", _scale_text(results, "fig19/swap/16", FIG19_RATE)]
     ratio = " ".join(f"{_ratio(data['swap'][b], data['recompute'][b])} at block {b}," for b in sizes).rstrip(",")
     lines += ["", f"Paper: {PAPER['fig19']}. Ours, swap / recompute: {ratio}. " + _swap_cost_text(results, sizes), ""]
     return "\n".join(lines), data
+
+
+def _scale_text(results: dict, key: str, paper_rate: float) -> str:
+    """How a profiled run's load was set (machine_scale)."""
+    run = results[key]
+    return (f"The paper's {paper_rate:g} req/s on OPT-13B, scaled by this machine's saturated rate over the "
+            f"preset's ({run['request_rate'] / paper_rate:.3g}x) on a KV pool of as many whole contexts as "
+            f"the preset's holds ({run['num_kv_token_slots'] / 1000:.1f}K token slots).")
 
 
 def _swap_cost_text(results: dict, sizes: tuple[int, ...]) -> str:

@@ -163,7 +163,30 @@ def test_paper_with_a_profile_prices_the_block_size_as_measured(tmp_path, profil
     # The factors the profile gives, clamped outside its 4..64: 1.5 at 1, 1 at 16, 1.2 at 256.
     assert "1: 1.50" in text and "16: 1.00" in text and "256: 1.20" in text
     assert "4: 14.0 / 12.0" in text              # its swap out / in per block at block 4, in us
+    assert "scaled to the profiled machine" in text and "scaled by this machine's saturated rate" in text
     assert set(report["figures"]) == {"18b", "19"}
+
+
+def test_paper_with_a_profile_runs_figs_18b_and_19_at_the_papers_load_on_that_machine(profile_path):
+    """The paper's rates are OPT-13B's on an A100: on a profiled machine Figs. 18b and 19 run at
+    them times its saturated rate over the preset's, on a pool of as many whole contexts as the
+    preset's holds (the same memory pressure; the toy's 1024-token contexts of 512 bytes a token)."""
+    from pagedserve.loadgen.config import PaperConfig
+    from pagedserve.loadgen.cost_model import GiB, PRESETS
+    from pagedserve.loadgen.paper import FIG19_RATE, PAPER_RATE, machine_scale, plan_runs
+    cfg = PaperConfig(num_requests=20, figures=["18b", "19"], profile=str(profile_path))
+    scale = machine_scale(cfg)
+    preset = PRESETS["opt-13b-a100-40g"]
+    assert scale.pool_gib == pytest.approx(preset.num_kv_tokens() / preset.max_model_len * 1024 * 512 / GiB)
+    # The toy's steps are milliseconds, OPT-13B's on the roofline tens of them: a faster machine.
+    assert all(f > 1 for f in scale.rate_factor.values())
+    runs = plan_runs(cfg)
+    assert runs["fig19/swap/16"].rate == round(FIG19_RATE * scale.rate_factor["sharegpt"], 3)
+    assert runs["fig18b/alpaca/4"].rate == round(PAPER_RATE["alpaca"] * scale.rate_factor["alpaca"], 3)
+    assert all(r.kv_cache_gib == scale.pool_gib for k, r in runs.items())
+    # Without a profile the paper's own rates, on the preset's pool.
+    plain = plan_runs(PaperConfig(num_requests=20, figures=["19"]))
+    assert plain["fig19/swap/16"].rate == FIG19_RATE and plain["fig19/swap/16"].kv_cache_gib is None
 
 
 def test_plan_brackets_the_highest_rate_within_the_slo(tmp_path, profile_path):
