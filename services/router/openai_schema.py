@@ -129,6 +129,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     # argument schemas (services/router/tools.py); "auto" needs a model's tool parser: a 400.
     tools: list | None = None
     tool_choice: Any = None
+    # OpenAI's: false allows at most one call (tool_choice "required" then makes exactly one).
+    parallel_tool_calls: bool = True
     functions: list | None = None
     function_call: Any = None
 
