@@ -129,6 +129,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     # argument schemas (services/router/tools.py); "auto" needs a model's tool parser: a 400.
     tools: list | None = None
     tool_choice: Any = None
+    # OpenAI's: false allows at most one call (tool_choice "required" then makes exactly one).
+    parallel_tool_calls: bool = True
     functions: list | None = None
     function_call: Any = None
 
@@ -394,7 +396,10 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
     fields = dict(
         n=best_of if not req.use_beam_search else req.n,
         max_tokens=max_tokens, min_tokens=req.min_tokens,
-        temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
+        # Beam search is greedy; with one beam (n 1, no best_of) the engine sees beam_width 1, no
+        # beam search, so the greedy choice is asked for here (it sampled at temperature 1 before).
+        temperature=0.0 if req.use_beam_search and best_of == 1 else _default(req.temperature, 1.0),
+        top_p=_default(req.top_p, 1.0),
         top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0),
         presence_penalty=_default(req.presence_penalty, 0.0),
         frequency_penalty=_default(req.frequency_penalty, 0.0),

@@ -3,7 +3,8 @@
 The output is constrained to JSON the tools' argument schemas accept (as vLLM does it without a
 model-specific parser), and the choice comes back in OpenAI's `tool_calls` shape:
     named      {"type": "function", "function": {"name": N}}: the output is N's arguments object
-    required   the output is [{"name": one of the tools, "parameters": its arguments}, ...] (one or more)
+    required   the output is [{"name": one of the tools, "parameters": its arguments}, ...] (one or more;
+               exactly one with parallel_tool_calls false)
 tool_choice "auto" (the default when tools are given) would need a parser for the model's own
 tool-call syntax: a 400, as is "none"'s opposite without tools. A stream sends OpenAI's tool_call
 deltas (ToolCallStream): each call's id and name once its name is complete, then its arguments as
@@ -68,10 +69,13 @@ def tool_plan(req) -> ToolPlan | None:
         raise bad_request('tool_choice "auto" is not supported (it needs a tool parser for the model); use '
                           '"required", a named function, or "none"', "tool_choice")
     if choice == "required":
-        return ToolPlan(None, {"type": "array", "minItems": 1, "items": {"anyOf": [
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
              "required": ["name", "parameters"], "additionalProperties": False}
-            for name, params in tools.items()]}})
+            for name, params in tools.items()]}}
+        if getattr(req, "parallel_tool_calls", True) is False:
+            schema["maxItems"] = 1      # OpenAI's parallel_tool_calls=false: one call, then the array ends
+        return ToolPlan(None, schema)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in tools:
