@@ -79,7 +79,7 @@ def profile(cfg) -> dict:
         flags = ["--device", cfg.device, "--block-size", str(cfg.block_size), "--worker-threads", str(threads)]
         grid = Grid2(tuple(map(float, batch)), tuple(map(float, context)), tuple(map(tuple, decode)))
         contexts = sorted({min(c, spec.max_model_len - API_OUTPUT - 2) for c in cfg.api_context})
-        api = {"api": measure_api(model, flags, tokens, [row[0][0] for row in prefill], spec.vocab_size,
+        api = {"api": measure_api(model, flags, tokens, [row[0][0] for row in prefill], spec.max_model_len,
                                   [b for b in cfg.api_batch if b <= batch[-1]] or [batch[0]], contexts,
                                   lambda b, c: interp2(grid, b, c), decode_len=API_OUTPUT)}
 

@@ -68,7 +68,12 @@ def request_ttfts(url: str, model: str, prompt_len: int, count: int, seed: int) 
     failed = [r for r in records if not r.ok]
     if failed:
         raise RuntimeError(f"the profiled stack failed {len(failed)} of {count} requests: {failed[0].error_detail}")
-    return [r.ttft for r in records]
+    # A token whose text is not out yet (part of a UTF-8 character) sends no event: a request
+    # whose two tokens both sent none has no first-token time and is left out.
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    if len(ttfts) < count / 2:
+        raise RuntimeError(f"{count - len(ttfts)} of {count} requests of {prompt_len} prompt tokens sent no token's text")
+    return ttfts
 
 
 @dataclass
@@ -81,15 +86,20 @@ class Served:
     events: int
 
 
-def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_tokens: int) -> Served:
+def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_tokens: int,
+                max_model_len: int) -> Served:
     """The served decode step at `batch` streams of `context`-token prompts: the module's window,
     every stream forced to decode_len tokens past all B prefills (at most step_tokens prompt tokens
     a step). The streams also reach the scheduler over a while (the router takes their requests one
     at a time): a window shorter than decode_len / 2 steps is measured again, with the outputs
-    longer by that spread over a step."""
+    longer by that spread over a step (the window's step where it has one: a router behind its
+    streams merges their events, and a TPOT from merged events can be far too short), never past
+    what the model's context holds."""
     prefill_steps = -(-batch * context // step_tokens)
-    output_len = decode_len + prefill_steps
+    room = max_model_len - context - 1
+    output_len = min(decode_len + prefill_steps, room)
     routers = role_pids(stack.proc.pid, "router")
+    tried = []
     for _ in range(3):
         cfg = ReplayConfig(url=stack.url, trace="random", input_len=context, output_len=output_len,
                            range_ratio=0.0, num_requests=batch, rate=math.inf, metrics_interval=0, plots=False,
@@ -102,12 +112,21 @@ def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_to
         window = window_step(records, decode_len / 2)
         if window is not None:
             step, _ = window
-            return Served(step, context + output_len / 2, cpu,
+            # The window's mean context: the prompt and half the tokens the streams decoded.
+            return Served(step, context + statistics.fmean(r.output_tokens for r in records) / 2, cpu,
                           sum(len(r.token_times) for r in records))
         spread = max(r.token_times[0] for r in records) - min(r.token_times[0] for r in records)
         tpot = statistics.median((r.end - r.first_token) / max(1, r.output_tokens - 1) for r in records)
-        output_len = decode_len + prefill_steps + math.ceil(spread / tpot)
-    raise RuntimeError(f"{batch} streams of {context} tokens never decoded together for {decode_len / 2:g} steps")
+        short = window_step(records, 0)
+        step = short[0] if short is not None else tpot
+        tried.append(f"{output_len} tokens: {0 if short is None else short[1]:.1f} steps together, first tokens "
+                     f"{1e3 * spread:.0f} ms apart, a step {1e3 * step:.1f} ms")
+        longer = min(decode_len + prefill_steps + math.ceil(spread / step), room)
+        if longer <= output_len:
+            break
+        output_len = longer
+    raise RuntimeError(f"{batch} streams of {context} tokens never decoded together for {decode_len / 2:g} steps "
+                       f"({'; '.join(tried)})")
 
 
 def window_step(records, least_steps: float = 1) -> tuple[float, float] | None:
@@ -123,7 +142,7 @@ def window_step(records, least_steps: float = 1) -> tuple[float, float] | None:
     return (end - start) / steps, steps
 
 
-def measure_api(model: str, flags: list[str], prompt_lens: list[int], prefill_s: list[float], vocab: int,
+def measure_api(model: str, flags: list[str], prompt_lens: list[int], prefill_s: list[float], max_model_len: int,
                 batches: list[int], contexts: list[int], engine_decode_s, decode_len: int = 32, requests: int = 20,
                 warmup: int = 3, step_tokens: int = 2048) -> dict:
     """The "api" entry. prompt_lens and prefill_s: the profile's prefill grid's token axis and its
@@ -134,7 +153,8 @@ def measure_api(model: str, flags: list[str], prompt_lens: list[int], prefill_s:
         request_ttfts(stack.url, model, prompt_lens[0], warmup, seed=1)
         ttfts = [statistics.median(request_ttfts(stack.url, model, n, requests, seed=2 + i))
                  for i, n in enumerate(prompt_lens)]
-        served = [[served_step(stack, b, c, decode_len, step_tokens) for c in contexts] for b in batches]
+        served = [[served_step(stack, b, c, decode_len, step_tokens, max_model_len) for c in contexts]
+                  for b in batches]
     finally:
         stack.stop()
     fixed, per_token = admission_fit(prompt_lens, [t - s for t, s in zip(ttfts, prefill_s)])

@@ -707,3 +707,69 @@ def test_sse_writes_the_json_that_json_dumps_writes():
     body = sse(chunk)
     assert body.startswith(b"data: ") and body.endswith(b"\n\n")
     assert body[6:-2] == json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# ---- vLLM's truncate_prompt_tokens (the prompt's last k tokens are served; -1: as many as the
+# context holds), and its fields that are not served. Black-box finding: both were dropped as
+# unknown: a long prompt with truncate_prompt_tokens 100 got the 400 of a prompt longer than the
+# context (vLLM serves its last 100 tokens), and bad_words ["he"] came back "hehehe".
+
+def _served_prompt(fake, before: int) -> list[int]:
+    added = fake.wait_for(protocol.AddRequest, before + 1)
+    return list(added[before].prompt_token_ids)
+
+
+def test_a_long_prompt_is_served_as_its_last_tokens(client, fake, info):
+    text = "hello " * 2000                 # far past the 1024-token context
+    ids = info.tokenizer(text)["input_ids"]
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 3, "truncate_prompt_tokens": 100})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    assert _served_prompt(fake, before) == ids[-100:]
+    # -1: as much as the context holds, which leaves no room for a completion: the context's 400.
+    r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 3, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    # Token prompts and batches too; a prompt shorter than k is whole; echo shows what was served.
+    before = len(fake.messages(protocol.AddRequest))
+    r = client.post("/v1/completions", json={"prompt": [[11, 12, 13, 14, 15], [21, 22]], "max_tokens": 1,
+                                             "truncate_prompt_tokens": 3, "echo": True})
+    assert r.status_code == 200, r.text
+    served = sorted(tuple(p) for p in (_served_prompt(fake, before), _served_prompt(fake, before + 1)))
+    assert served == [(13, 14, 15), (21, 22)]
+    echoed = {c["index"]: c["text"] for c in r.json()["choices"]}
+    assert echoed[0].startswith(info.tokenizer.decode([13, 14, 15]))
+
+
+def test_chat_keeps_the_rendered_prompts_last_tokens(client, fake, info):
+    before = len(fake.messages(protocol.AddRequest))
+    body = {"messages": [{"role": "user", "content": "tell me about " * 40}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json={**body, "truncate_prompt_tokens": 10})
+    assert r.status_code == 200, r.text
+    whole = client.post("/tokenize", json={"messages": body["messages"]}).json()["tokens"]
+    assert _served_prompt(fake, before) == whole[-10:] and r.json()["usage"]["prompt_tokens"] == 10
+
+
+@pytest.mark.parametrize("k, says", [(0, "-1 or at least 1"), (-2, "-1 or at least 1"),
+                                     (5000, "greater than max_model_len (1024)")])
+def test_a_truncation_that_cannot_be_served_is_a_400(client, k, says):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = client.post(path, json={**body, "max_tokens": 1, "truncate_prompt_tokens": k})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert says in err["message"] and err["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("field, value", [("bad_words", ["he"]), ("priority", 5), ("logits_processors", ["x"]),
+                                          ("guided_whitespace_pattern", r"[ ]?")])
+def test_a_vllm_field_that_is_not_served_is_a_400_not_ignored(client, field, value):
+    # Black-box finding: bad_words ["he"] came back "hehehe": the field was dropped as unknown.
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = client.post(path, json={**body, "max_tokens": 1, field: value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+    # Their defaults ask for nothing: served.
+    ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority": 0, "bad_words": []})
+    assert ok.status_code == 200, ok.text

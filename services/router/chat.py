@@ -30,12 +30,15 @@ class ChatEndpoint(Endpoint):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
+        self.keep = self.ctx.prompt_keep(req.truncate_prompt_tokens)
 
     def token_ids(self) -> list[list[int]]:
         prompt_ids = render_prompt(self.ctx, self.req)
         if not prompt_ids:
             raise bad_request("the rendered prompt is empty", "messages")
-        return [prompt_ids]
+        # truncate_prompt_tokens keeps the rendered prompt's last tokens, as vLLM's (the template's
+        # head goes first).
+        return [prompt_ids if self.keep is None else prompt_ids[-self.keep:]]
 
     def asked_max_tokens(self) -> int | None:
         # No max_tokens in chat means "the rest of the context", as in vLLM.

@@ -29,9 +29,10 @@ class CompletionEndpoint(Endpoint):
     def check(self) -> None:
         if self.req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
+        self.keep = self.ctx.prompt_keep(self.req.truncate_prompt_tokens)
 
     def token_ids(self) -> list[list[int]]:
-        return tokenize_prompts(self.ctx, self.items, self.req.add_special_tokens)
+        return tokenize_prompts(self.ctx, self.items, self.req.add_special_tokens, self.keep)
 
     def asked_max_tokens(self) -> int | None:
         return 1 if self.score_only else self.req.max_tokens
@@ -53,9 +54,10 @@ class CompletionEndpoint(Endpoint):
 
     def formatter(self, gen: Generation, request_id: str, n: int, model: str, name) -> CompletionFormatter:
         req, ctx = self.req, self.ctx
-        # The prompt as sent; token prompts as their text, special tokens included.
-        echo = [item if isinstance(item, str) else ctx.decode(ids, False) for item, ids in zip(self.items, gen.prompts)] \
-            if req.echo else None
+        # The prompt as sent; token prompts, and prompts truncate_prompt_tokens cut, as the text of
+        # the tokens served, special tokens included.
+        echo = [item if isinstance(item, str) and self.keep is None else ctx.decode(ids, False)
+                for item, ids in zip(self.items, gen.prompts)] if req.echo else None
         return CompletionFormatter(ctx, gen, request_id, model, n, req.logprobs, echo, gen.params.prompt_logprobs,
                                    req.return_token_ids, name)
 
@@ -69,8 +71,10 @@ def prompt_items(prompt) -> list:
     return list(prompt)
 
 
-def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool = True) -> list[list[int]]:
-    """Each prompt (text or token ids) -> its token ids, checked."""
+def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool = True,
+                     keep: int | None = None) -> list[list[int]]:
+    """Each prompt (text or token ids) -> its token ids, checked; with keep (truncate_prompt_tokens)
+    only its last keep tokens."""
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     if len(items) > ctx.max_batch_prompts:
@@ -82,6 +86,8 @@ def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool =
         ids = ctx.tokenize(item, add_special_tokens) if isinstance(item, str) else list(item)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
+        if keep is not None:
+            ids = ids[-keep:]
         # At once, not after the whole batch: 16 long texts took 4.7 s to tokenize before the first was refused.
         ctx.check_fits(len(ids), "prompt")
         ctx.check_token_ids(ids, "prompt")

@@ -165,6 +165,21 @@ class RouterContext:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
+    def prompt_keep(self, truncate_prompt_tokens: int | None) -> int | None:
+        """vLLM's truncate_prompt_tokens as the prompt tokens to keep (its last ones; None: all):
+        -1 is the model's context, 1 up to it that many; anything else a 400."""
+        k, limit = truncate_prompt_tokens, self.info.max_model_len
+        if k is None:
+            return None
+        if k == -1:
+            return limit
+        if k < 1:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or at least 1, got {k}", "truncate_prompt_tokens")
+        if k > limit:
+            raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({limit}). "
+                              "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+        return k
+
     def check_fits(self, prompt_len: int, prompt_param: str) -> None:
         """A prompt of prompt_len tokens leaves room for a completion, or a 400 (as vLLM's)."""
         limit = self.info.max_model_len

@@ -86,6 +86,13 @@ class _SamplingFields(_Strict):
     prompt_logprobs: int | None = None
     return_token_ids: bool = False            # vLLM's: prompt_token_ids and token_ids in the response
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name tokens "token_id:N"
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
+    # vLLM's fields that are not served: read only to refuse them (a 400 naming the field, never
+    # silently ignored; unserved_fields).
+    bad_words: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -357,6 +364,25 @@ def validation_error(errors: list) -> APIError:
         return bad_request(f"Missing required field '{param}'", param)
     where = f"'{param}'" if param else "the request"
     return bad_request(f"Invalid value for {where}: {first.get('msg')}", param)
+
+
+# vLLM's sampling fields this server does not serve -> why, for the 400 that names each.
+UNSERVED = {
+    "bad_words": "bad_words is not supported; use logit_bias with -100 on the words' token ids",
+    "logits_processors": "logits_processors is not supported (no custom logits processors are loaded)",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported: structured outputs write "
+                                 "compact whitespace",
+}
+
+
+def refuse_unserved(req: _SamplingFields) -> None:
+    """A 400 for the first vLLM field given that is not served (priority 0 is the default)."""
+    for name, why in UNSERVED.items():
+        if getattr(req, name) not in (None, []):
+            raise bad_request(why, name)
+    if req.priority not in (None, 0):
+        raise bad_request("priority scheduling is not enabled: requests are served first come, first served",
+                          "priority")
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None, vocab_size: int,

@@ -24,7 +24,7 @@ from pagedserve.services.router.constraints import constraint_of
 from pagedserve.services.router.context import RouterContext
 from pagedserve.services.router.errors import APIError
 from pagedserve.services.router.generation import Generation
-from pagedserve.services.router.openai_schema import sampling_params
+from pagedserve.services.router.openai_schema import refuse_unserved, sampling_params
 from pagedserve.services.router.responses import Formatter, respond
 
 
@@ -90,6 +90,7 @@ async def generate(ctx: RouterContext, request: Request, endpoint: type[Endpoint
 async def _run(ctx: RouterContext, request: Request, endpoint: type[Endpoint]):
     req, size = await ctx.read_json(request, endpoint.body, prompts=endpoint.batch_field)
     ctx.check_model(req.model)
+    refuse_unserved(req)
     ep = endpoint(ctx, req)
     ep.check()
     prompts = await ctx.off_loop(ep.token_ids, size=size)
