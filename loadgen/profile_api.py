@@ -100,7 +100,7 @@ def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_to
     output_len = min(decode_len + prefill_steps, room)
     routers = role_pids(stack.proc.pid, "router")
     tried = []
-    for _ in range(3):
+    for _ in range(4):
         cfg = ReplayConfig(url=stack.url, trace="random", input_len=context, output_len=output_len,
                            range_ratio=0.0, num_requests=batch, rate=math.inf, metrics_interval=0, plots=False,
                            progress=False)
@@ -121,7 +121,9 @@ def served_step(stack: Stack, batch: int, context: int, decode_len: int, step_to
         step = short[0] if short is not None else tpot
         tried.append(f"{output_len} tokens: {0 if short is None else short[1]:.1f} steps together, first tokens "
                      f"{1e3 * spread:.0f} ms apart, a step {1e3 * step:.1f} ms")
-        longer = min(decode_len + prefill_steps + math.ceil(spread / step), room)
+        # Longer by the first tokens' spread in steps, from the length just tried (the step
+        # measured at the next length can differ: the spread must not shrink the ask).
+        longer = min(output_len + math.ceil(spread / step), room)
         if longer <= output_len:
             break
         output_len = longer
@@ -150,11 +152,12 @@ def measure_api(model: str, flags: list[str], prompt_lens: list[int], prefill_s:
     engine decode step there."""
     stack = Stack(model, *flags, "--max-num-batched-tokens", str(step_tokens))
     try:
-        request_ttfts(stack.url, model, prompt_lens[0], warmup, seed=1)
-        ttfts = [statistics.median(request_ttfts(stack.url, model, n, requests, seed=2 + i))
-                 for i, n in enumerate(prompt_lens)]
-        served = [[served_step(stack, b, c, decode_len, step_tokens, max_model_len) for c in contexts]
-                  for b in batches]
+        with stack.client_off_the_workers():     # as loadgen fidelity measures the stack
+            request_ttfts(stack.url, model, prompt_lens[0], warmup, seed=1)
+            ttfts = [statistics.median(request_ttfts(stack.url, model, n, requests, seed=2 + i))
+                     for i, n in enumerate(prompt_lens)]
+            served = [[served_step(stack, b, c, decode_len, step_tokens, max_model_len) for c in contexts]
+                      for b in batches]
     finally:
         stack.stop()
     fixed, per_token = admission_fit(prompt_lens, [t - s for t, s in zip(ttfts, prefill_s)])
