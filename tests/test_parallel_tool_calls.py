@@ -61,3 +61,44 @@ def test_parallel_tool_calls_must_be_a_boolean():
         parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "no"}).encode(),
                    ChatCompletionRequest)
     assert e.value.param == "parallel_tool_calls"
+
+
+# Black-box findings (second round): a tool whose parameters use $defs (pydantic's schema of a nested
+# model) was a 400 with tool_choice "required" ("Cannot find field '$defs'": its refs pointed at the
+# root of the array schema) though it worked named; and a name with a quote or backslash came back
+# JSON-escaped, or, with a quote, lost every call (tool_calls [] after the model had called).
+NESTED = {"type": "function", "function": {"name": "put", "parameters": {
+    "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+    "$defs": {"Item": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}}}
+
+
+def _required(tools, **fields):
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required", **fields})
+    return tool_plan(req)
+
+
+def test_required_hoists_the_tools_defs_to_the_schema_root():
+    plan = _required([NESTED, TOOLS[1]])
+    call = '[{"name":"put","parameters":{"item":{"n":3}}}]'
+    assert _accepts(plan.schema, call) and not _accepts(plan.schema, '[{"name":"put","parameters":{"item":{}}}]')
+    assert plan.parts(call) == [("put", '{"item":{"n":3}}')]
+    assert "$defs" in NESTED["function"]["parameters"]      # the request's tools stay as sent
+
+
+def test_required_refuses_one_def_name_with_two_schemas():
+    other = json.loads(json.dumps(NESTED))
+    other["function"]["name"] = "put2"
+    other["function"]["parameters"]["$defs"]["Item"] = {"type": "string"}
+    with pytest.raises(APIError) as e:
+        _required([NESTED, other])
+    assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("name", ['f"x', "a\\b", "tab\tx", "日本"])
+def test_required_call_names_are_read_as_json_strings(name):
+    plan = _required([{"type": "function", "function": {"name": name}}])
+    text = json.dumps([{"name": name, "parameters": {}}], separators=(",", ":"), ensure_ascii=False)
+    assert _accepts(plan.schema, text)
+    assert plan.parts(text) == [(name, "{}")]
+    assert plan.parts(text[:len('[{"name":"') + 2]) == []     # a name not complete yet names no call

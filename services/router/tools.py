@@ -12,6 +12,7 @@ they grow. The whole answer's tool_calls are the same calls (ToolPlan.calls), cu
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -69,10 +70,11 @@ def tool_plan(req) -> ToolPlan | None:
         raise bad_request('tool_choice "auto" is not supported (it needs a tool parser for the model); use '
                           '"required", a named function, or "none"', "tool_choice")
     if choice == "required":
+        tools, defs = _hoist_defs(tools)
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
              "required": ["name", "parameters"], "additionalProperties": False}
-            for name, params in tools.items()]}}
+            for name, params in tools.items()]}, **defs}
         if getattr(req, "parallel_tool_calls", True) is False:
             schema["maxItems"] = 1      # OpenAI's parallel_tool_calls=false: one call, then the array ends
         return ToolPlan(None, schema)
@@ -83,6 +85,27 @@ def tool_plan(req) -> ToolPlan | None:
         return ToolPlan(name, tools[name])
     raise bad_request('tool_choice must be "none", "required", "auto" or {"type": "function", "function": '
                       '{"name": ...}}', "tool_choice")
+
+
+_DEFS_KEYS = ("$defs", "definitions")
+
+
+def _hoist_defs(tools: dict[str, dict]) -> tuple[dict[str, dict], dict]:
+    """The tools' parameters without their $defs / definitions, and those definitions merged for the
+    "required" schema's root: nested inside it, a parameters schema's "#/$defs/X" refs would point at
+    the root that no longer holds them (pydantic's schemas for nested models use them). As vLLM's
+    (_get_tool_schema_defs): one name with two different schemas is a 400. The request's own tools
+    stay as sent (the chat template renders them)."""
+    out, defs = {}, {}
+    for name, params in tools.items():
+        for key in _DEFS_KEYS:
+            found = params.get(key)
+            for def_name, def_schema in (found.items() if isinstance(found, dict) else ()):
+                if defs.setdefault(key, {}).setdefault(def_name, def_schema) != def_schema:
+                    raise bad_request(f"the tools define {key} {def_name!r} with different schemas; a tool_choice "
+                                      f"\"required\" schema can hold only one", "tools")
+        out[name] = {k: v for k, v in params.items() if k not in _DEFS_KEYS}
+    return out, defs
 
 
 def _functions(tools: list) -> dict[str, dict]:
@@ -147,11 +170,12 @@ def _required_calls(text: str) -> list[tuple[str, str]]:
             continue
         if not text.startswith(_CALL_HEAD, i):
             break
-        start = i + len(_CALL_HEAD)
-        close = text.find('"', start)
-        if close < 0:
+        # The name is a JSON string: a quote or backslash in it comes escaped.
+        quote = i + len(_CALL_HEAD) - 1
+        a = _value_end(text, quote)
+        if a is None:
             break
-        name, a = text[start:close], close + 1
+        name = json.loads(text[quote:a])
         if not text.startswith(_CALL_ARGS, a):
             break
         a += len(_CALL_ARGS)
