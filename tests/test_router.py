@@ -553,13 +553,29 @@ def test_client_disconnect_during_a_stream_aborts_the_request(client, fake):
     assert client.get(f"/v1/requests/{rid}").json()["status"] == "cancelled"
 
 
+def _generated_total(c) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(s.value for f in text_string_to_metric_families(c.get("/metrics").text)
+               for s in f.samples if s.name == "vllm:generation_tokens_total")
+
+
 def test_client_disconnect_while_waiting_for_a_whole_response_aborts(router, fake):
+    # Black-box finding: the tokens of an aborted whole response (merged in the scheduler client
+    # until its end) were dropped with it: generation_tokens_total and the record counted 0.
     fake.token_delay_s = 0.02
     aborts = len(fake.messages(protocol.AbortRequest))
-    with httpx.Client(base_url=router.url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
-        c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500})
-    fake.wait_for(protocol.AbortRequest, aborts + 1, timeout_s=5)
-    fake.token_delay_s = 0.0
+    with httpx.Client(base_url=router.url, timeout=0.3) as c:
+        before = _generated_total(c)
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500}, headers={"X-Request-Id": "gone-1"})
+        fake.wait_for(protocol.AbortRequest, aborts + 1, timeout_s=5)
+        fake.token_delay_s = 0.0
+        deadline = time.monotonic() + 3
+        while c.get("/v1/requests/gone-1").json()["status"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        record = c.get("/v1/requests/gone-1").json()
+        assert record["status"] == "cancelled" and record["num_generated_tokens"] > 0
+        assert _generated_total(c) - before == record["num_generated_tokens"]
 
 
 def test_health_and_ready_follow_the_scheduler(client, fake):

@@ -287,6 +287,11 @@ class Generation:
             return
         for p, bid in enumerate(self.backend_ids):
             if p not in self.done:
+                # A whole-response request's tokens wait merged in the client: take them in, so
+                # that its metrics and record count what the engine computed before the abort.
+                partial = self.client.take_partial(bid) if self.buffered else None
+                if partial is not None:
+                    self._apply(partial.update, partial.first_token_at, partial.last_token_at)
                 self.done.add(p)
                 self.aborted = True
                 self.client.abort_soon(bid, on_final=self._late_final(p))

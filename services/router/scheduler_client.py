@@ -178,6 +178,14 @@ class SchedulerClient:
         if buffered:
             self.merging[request_id] = _Merge(on_start)
 
+    def take_partial(self, request_id: str) -> Buffered | None:
+        """What a buffered request merged so far (None: nothing, or not buffered), for an owner that
+        aborts it: its tokens were computed, and an abort that dropped them counted none."""
+        merge = self.merging.pop(request_id, None)
+        if merge is None or merge.first_token_at is None:
+            return None
+        return merge.result(protocol.RequestUpdate(request_id, []))
+
     def unsubscribe(self, request_id: str) -> None:
         self.subscribers.pop(request_id, None)
         self.merging.pop(request_id, None)
