@@ -88,8 +88,7 @@ def measure(cfg: FidelityConfig, server: ProfiledServer, trace: str, rate: float
         replay_cfg = ReplayConfig(url=stack.url, trace=trace, rate=rate, num_requests=cfg.num_requests,
                                   seed=cfg.seed, kv_block_size=cfg.block_size, fit="scale", metrics_interval=0,
                                   plots=False, progress=False, out=str(out / "measured"))
-        with stack.client_off_the_workers():
-            run = asyncio.run(run_replay(replay_cfg))
+        run = asyncio.run(run_replay(replay_cfg))
     finally:
         stack.stop()
     measured = summarize(run.records, replay_cfg.percentiles)

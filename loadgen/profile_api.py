@@ -152,12 +152,11 @@ def measure_api(model: str, flags: list[str], prompt_lens: list[int], prefill_s:
     engine decode step there."""
     stack = Stack(model, *flags, "--max-num-batched-tokens", str(step_tokens))
     try:
-        with stack.client_off_the_workers():     # as loadgen fidelity measures the stack
-            request_ttfts(stack.url, model, prompt_lens[0], warmup, seed=1)
-            ttfts = [statistics.median(request_ttfts(stack.url, model, n, requests, seed=2 + i))
-                     for i, n in enumerate(prompt_lens)]
-            served = [[served_step(stack, b, c, decode_len, step_tokens, max_model_len) for c in contexts]
-                      for b in batches]
+        request_ttfts(stack.url, model, prompt_lens[0], warmup, seed=1)
+        ttfts = [statistics.median(request_ttfts(stack.url, model, n, requests, seed=2 + i))
+                 for i, n in enumerate(prompt_lens)]
+        served = [[served_step(stack, b, c, decode_len, step_tokens, max_model_len) for c in contexts]
+                  for b in batches]
     finally:
         stack.stop()
     fixed, per_token = admission_fit(prompt_lens, [t - s for t, s in zip(ttfts, prefill_s)])

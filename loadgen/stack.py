@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -86,36 +85,6 @@ class Stack:
     @property
     def url(self) -> str:
         return self.urls[0]
-
-    def worker_cores(self) -> frozenset[int]:
-        """The cores the stack bound its workers to (--cpu-binding); empty when none is bound."""
-        from pagedserve.loadgen.soak import role_pids
-        mine = os.sched_getaffinity(0)
-        cores: set[int] = set()
-        for pid in role_pids(self.proc.pid, "worker"):
-            try:
-                bound = os.sched_getaffinity(pid)
-            except OSError:      # gone meanwhile
-                continue
-            if bound != mine:
-                cores |= bound
-        return frozenset(cores)
-
-    @contextmanager
-    def client_off_the_workers(self):
-        """While inside, this process (the measuring client) runs on the cores the stack's workers
-        are not bound to, where its router, scheduler and kvstore run: a real client is on another
-        machine and takes no CPU from the worker. Unbound, on 2 cores, the client's SSE parsing
-        ran on the worker's core beside it, and the worker computed the same decode rows 1.4-2x
-        slower than the profile's engine (loadgen fidelity, ShareGPT at 58 req/s)."""
-        before = os.sched_getaffinity(0)
-        rest = before - self.worker_cores()
-        if rest and rest != before:
-            os.sched_setaffinity(0, rest)
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, before)
 
     def stop(self, timeout_s: float = 60) -> int:
         if self.proc.poll() is None:

@@ -202,22 +202,3 @@ def test_an_event_costs_the_slope_of_cpu_over_events():
     assert per_event_s(points) == pytest.approx(1e-4)
     assert per_event_s(points[:1]) == pytest.approx(0.11 / 100)
 
-
-def test_the_measuring_client_runs_off_the_workers_cores(tiny_llama):
-    """loadgen profile and fidelity measure the stack from this process: inside
-    client_off_the_workers it leaves the cores the stack bound its worker to (a real client takes
-    no CPU from the worker), and gets its own cores back after."""
-    import os
-    from pagedserve.loadgen.stack import Stack
-    before = os.sched_getaffinity(0)
-    stack = Stack(tiny_llama)
-    try:
-        workers = stack.worker_cores()
-        if len(before) >= 2:      # --cpu-binding auto binds the worker when it leaves cores over
-            assert workers and workers < before
-        with stack.client_off_the_workers():
-            inside = os.sched_getaffinity(0)
-            assert inside and not (inside & workers)
-        assert os.sched_getaffinity(0) == before
-    finally:
-        stack.stop()

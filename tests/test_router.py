@@ -742,7 +742,13 @@ def test_a_long_prompt_is_served_as_its_last_tokens(client, fake, info):
     r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 3, "truncate_prompt_tokens": 100})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 100
-    assert _served_prompt(fake, before) == ids[-100:]
+    # As vLLM's tokenizer truncates a text (left side, max_length 100): the BOS stays, then the
+    # text's last 99 tokens. HF's own truncation is the reference.
+    import copy
+    left = copy.deepcopy(info.tokenizer)
+    left.truncation_side = "left"
+    expected = left(text, truncation=True, max_length=100)["input_ids"]
+    assert _served_prompt(fake, before) == expected and expected[0] == ids[0] and expected[1:] == ids[-99:]
     # -1: as much as the context holds, which leaves no room for a completion: the context's 400.
     r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 3, "truncate_prompt_tokens": -1})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]

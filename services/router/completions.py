@@ -74,7 +74,7 @@ def prompt_items(prompt) -> list:
 def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool = True,
                      keep: int | None = None) -> list[list[int]]:
     """Each prompt (text or token ids) -> its token ids, checked; with keep (truncate_prompt_tokens)
-    only its last keep tokens."""
+    only its last keep tokens (a text's BOS kept, as vLLM's tokenizer truncates)."""
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     if len(items) > ctx.max_batch_prompts:
@@ -83,11 +83,12 @@ def tokenize_prompts(ctx: RouterContext, items: list, add_special_tokens: bool =
     for item in items:
         if isinstance(item, str) and not item:     # its BOS alone is no prompt (vLLM refuses it too)
             raise bad_request("prompt must not be empty", "prompt")
-        ids = ctx.tokenize(item, add_special_tokens) if isinstance(item, str) else list(item)
+        if isinstance(item, str):
+            ids = ctx.tokenize(item, add_special_tokens) if keep is None else ctx.tokenize_last(item, keep, add_special_tokens)
+        else:     # token ids are cut as they are (vLLM's too)
+            ids = list(item) if keep is None else list(item)[-keep:]
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
-        if keep is not None:
-            ids = ids[-keep:]
         # At once, not after the whole batch: 16 long texts took 4.7 s to tokenize before the first was refused.
         ctx.check_fits(len(ids), "prompt")
         ctx.check_token_ids(ids, "prompt")

@@ -8,6 +8,7 @@ dependencies run one way, with no type-only back-edge to the module that wires t
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import importlib.metadata
 import math
@@ -109,6 +110,10 @@ class RouterContext:
 
     # ---- checks shared by the endpoints ---------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self._check_text(text, param)
+        return list(self.info.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _check_text(self, text: str, param: str) -> None:
         try:
             size = len(text.encode("utf-8"))
         except UnicodeEncodeError:
@@ -116,7 +121,21 @@ class RouterContext:
         if size > self.info.max_prompt_bytes:
             raise bad_request(f"This model's maximum context length is {self.info.max_model_len} tokens; "
                               f"a text of {size} bytes cannot fit in it.", param)
-        return list(self.info.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def tokenize_last(self, text: str, keep: int, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """The text's tokens cut to keep from the left, as vLLM's tokenizer truncates (truncation
+        side left, max_length keep): the special tokens the tokenizer adds (the BOS) stay, the
+        text's last tokens fill the rest."""
+        self._check_text(text, param)
+        return list(self._left_tokenizer(text, add_special_tokens=add_special_tokens, truncation=True,
+                                          max_length=keep)["input_ids"])
+
+    @functools.cached_property
+    def _left_tokenizer(self):
+        """A copy of the tokenizer that truncates on the left (the shared one truncates nothing)."""
+        tok = copy.deepcopy(self.info.tokenizer)
+        tok.truncation_side = "left"
+        return tok
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
