@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pagedserve.services.protocol_codec import (  # noqa: F401  (re-exported: callers import them here)
     Columns, ProtocolError, decode, encode, register)
 
-VERSION = 8   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
+VERSION = 9   # 2: ExecuteStep.seqs and StepResult.results as columns, nested messages as rows;
 #             3: prompt logprobs (ExecuteStep, StepResult, RequestUpdate)
 #             4: ReportMemory, PoolInfo.step_event_handles (the GPU path)
 #             5: sampling params carry structured_outputs (AddRequest, ExecuteStep.new_params)
@@ -28,6 +28,7 @@ VERSION = 8   # 2: ExecuteStep.seqs and StepResult.results as columns, nested me
 #                ResumeStore -> StoreSnapshot
 #             7: async scheduling: SeqWork.token_ids may be [PENDING_TOKEN]; the kvstore's set_tokens op
 #             8: sampling params carry allowed_token_ids (AddRequest, ExecuteStep.new_params)
+#             9: RequestUpdate.unservable (an error no retry can mend: the router answers 400, not 503)
 
 
 # ---- messages ----------------------------------------------------------------------------------
@@ -99,6 +100,9 @@ class RequestUpdate:
     inference_s: float = 0.0
     num_preemptions: int = 0
     num_host_cached_tokens: int = 0      # of num_cached_tokens, those the host tier gave back
+    # With error: the request can never be served as asked (it does not fit the KV cache even
+    # alone), so no retry can mend it; the router answers 400 instead of 503.
+    unservable: bool = False
 
 
 @dataclass(slots=True)

@@ -84,14 +84,14 @@ def test_malformed_messages_are_protocol_errors(frames, match):
 def test_nested_messages_travel_as_rows_and_may_leave_out_defaults():
     frames = protocol.encode(protocol.RequestUpdates([protocol.RequestUpdate("r", [protocol.CompletionDelta(0, [5])])]))
     body = msgpack.unpackb(frames[0])["b"]
-    assert body["updates"] == [["r", [[0, [5], [], None, None, 0.0]], False, None, 0, 0, None, 0.0, 0.0, 0.0, 0.0, 0, 0]]
+    assert body["updates"] == [["r", [[0, [5], [], None, None, 0.0]], False, None, 0, 0, None, 0.0, 0.0, 0.0, 0.0, 0, 0, False]]
     short = protocol.decode(raw("RequestUpdates", {"updates": [["r", [[1, [7]]]]]}))
     assert short == protocol.RequestUpdates([protocol.RequestUpdate("r", [protocol.CompletionDelta(1, [7])])])
 
 
 @pytest.mark.parametrize("updates, match", [
     ([{"request_id": "r", "outputs": []}], "updates"),
-    ([["r"]], "1 values for 13 fields"),
+    ([["r"]], "1 values for 14 fields"),
     ([[5, []]], "request_id"),
     ([["r", [[0, [1], [], None, None, 0.0, 99]]]], "7 values for 6 fields"),
     ([["r", [[0, ["x"]]]]], "token_ids"),

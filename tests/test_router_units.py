@@ -204,6 +204,31 @@ def test_updates_that_queued_up_come_out_as_one_batch_and_a_failure_after_them(t
     assert "".join(e.text for e in batches[0]) == gen.choices[0][0].text and "two" in gen.choices[0][0].text
 
 
+@pytest.mark.parametrize("unservable, status", [(False, 503), (True, 400)])
+def test_an_engine_error_no_retry_mends_is_a_400(tokenizer, unservable, status):
+    """A request the scheduler ends because it cannot fit the KV cache even alone comes back
+    unservable: the client gets a 400 (fewer choices or tokens may fit), not a retryable 503."""
+    import asyncio
+    from types import SimpleNamespace
+    from pagedserve.services import protocol
+    from pagedserve.services.router.errors import APIError
+    from pagedserve.services.router.generation import Generation
+    from pagedserve.services.sampling_params import SamplingParams
+    from pagedserve.services.router.metrics import RouterMetrics
+    ctx = SimpleNamespace(info=SimpleNamespace(eos_token_ids=[]), decode=tokenizer.decode, metrics=RouterMetrics("m"))
+    gen = Generation(ctx, "a", [[5, 6]], SamplingParams(max_tokens=8))
+    gen.abort = gen.close = lambda *a: None
+    gen.queue.put_nowait(protocol.RequestUpdate(gen.backend_ids[0], [], True, "does not fit in the KV cache",
+                                                unservable=unservable))
+
+    async def follow():
+        async for _ in gen.events():
+            pass
+    with pytest.raises(APIError) as e:
+        asyncio.run(follow())
+    assert e.value.status == status and "KV cache" in str(e.value)
+
+
 def test_text_of_the_first_min_tokens_can_start_a_stop_string_but_not_end_one():
     stops = StopStrings(["ab", "xyz"])
     assert stops.feed("ab", can_stop=False) == ("", False)         # complete but too early: held

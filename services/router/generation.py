@@ -186,7 +186,9 @@ class Generation:
         except ValueError:
             return []
         if update.error:
-            raise self._fail(APIError(503, f"the engine failed the request: {update.error}"))
+            # 503: the engine could not serve it now (a retry may); 400: never as asked (fewer
+            # choices or tokens may fit).
+            raise self._fail(APIError(400 if update.unservable else 503, f"the engine failed the request: {update.error}"))
         now = time.monotonic()
         merged = first_at is not None
         if merged:   # its tokens arrived from first_at to last_at

@@ -74,6 +74,7 @@ class Request:
     beam: object | None = None                               # BeamSearch when beam_width > 1
     forked: bool = False                                     # n > 1: samples forked from the prompt
     error: str | None = None
+    unservable: bool = False      # error is one no retry mends (protocol.RequestUpdate.unservable)
     # The request's phases, on the scheduler's clock (vLLM's queue/prefill/decode/inference times).
     scheduled_time: float | None = None   # first admitted to run (a preemption does not move it)
     first_token_time: float | None = None

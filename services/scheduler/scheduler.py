@@ -514,7 +514,7 @@ class Scheduler:
 
     def _abort_unservable(self, req: Request, why: str, out: ScheduledStep) -> None:
         """End a request that can never fit; it goes out with this step, so its router hears of it."""
-        req.error = why
+        req.error, req.unservable = why, True
         self._finish(req, "abort")
         out.aborted.append(req)
         out.requests.append(req)

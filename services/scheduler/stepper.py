@@ -186,7 +186,7 @@ class RouterView:
                 and (not req.needs_prompt_logprobs or finished):
             prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         update = protocol.RequestUpdate(rid, deltas, finished, req.error, len(req.prompt_token_ids),
-                                        req.num_cached_tokens, prompt_logprobs)
+                                        req.num_cached_tokens, prompt_logprobs, unservable=req.unservable)
         if finished:
             self._phases(update, req)
         return update
