@@ -88,7 +88,7 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
     # vLLM's fields that are not served: read only to refuse them (a 400 naming the field, never
-    # silently ignored; unserved_fields).
+    # silently ignored; refuse_unserved).
     bad_words: Any = None
     priority: Any = None
     logits_processors: Any = None
