@@ -761,6 +761,14 @@ def test_a_long_prompt_is_served_as_its_last_tokens(client, fake, info):
     assert served == [(13, 14, 15), (21, 22)]
     echoed = {c["index"]: c["text"] for c in r.json()["choices"]}
     assert echoed[0].startswith(info.tokenizer.decode([13, 14, 15]))
+    # A text it leaves whole echoes as sent (no BOS text: black-box round 3); one it cuts, as the
+    # text of the tokens kept, less the BOS.
+    short = client.post("/v1/completions", json={"prompt": "over the lazy dog", "max_tokens": 1, "echo": True,
+                                                  "truncate_prompt_tokens": 100})
+    assert short.json()["choices"][0]["text"].startswith("over the lazy dog")
+    cut = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "echo": True,
+                                                "truncate_prompt_tokens": 10})
+    assert cut.json()["choices"][0]["text"].startswith(info.tokenizer.decode(ids[-9:]))
 
 
 def test_chat_keeps_the_rendered_prompts_last_tokens(client, fake, info):

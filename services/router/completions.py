@@ -54,9 +54,11 @@ class CompletionEndpoint(Endpoint):
 
     def formatter(self, gen: Generation, request_id: str, n: int, model: str, name) -> CompletionFormatter:
         req, ctx = self.req, self.ctx
-        # The prompt as sent; token prompts, and prompts truncate_prompt_tokens cut, as the text of
-        # the tokens served, special tokens included.
-        echo = [item if isinstance(item, str) and self.keep is None else ctx.decode(ids, False)
+        # The prompt as sent; token prompts as the text of their tokens, special tokens included;
+        # a text truncate_prompt_tokens cut as the text of the tokens kept, less the BOS the
+        # tokenizer added (a text it left whole, fewer tokens than kept, is the text as sent).
+        echo = [item if isinstance(item, str) and (self.keep is None or len(ids) < self.keep)
+                else ctx.decode(ids, True) if isinstance(item, str) else ctx.decode(ids, False)
                 for item, ids in zip(self.items, gen.prompts)] if req.echo else None
         return CompletionFormatter(ctx, gen, request_id, model, n, req.logprobs, echo, gen.params.prompt_logprobs,
                                    req.return_token_ids, name)
